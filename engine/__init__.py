@@ -1,0 +1,1 @@
+"""Flotilla's inference engine: paged attention, continuous batching, prefix caching."""

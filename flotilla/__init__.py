@@ -1,0 +1,3 @@
+"""Flotilla: LLM inference fleets on Kubernetes."""
+
+__version__ = "0.1.0"

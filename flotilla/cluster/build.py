@@ -1,0 +1,118 @@
+"""Builds etcd and the Kubernetes control plane with Go from the module proxy, cached per version."""
+
+from __future__ import annotations
+
+import datetime as dt
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flotilla.cluster.gomod import GOMOD_DIR, go_env
+from flotilla.cluster.paths import etcd_bin_dir, kubernetes_bin_dir
+from flotilla.cluster.versions import ETCD_VERSION, KUBERNETES_VERSION
+
+KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    package: str
+    module_dir: Path
+    out_dir: Path
+    ldflags: str
+
+    @property
+    def path(self) -> Path:
+        return self.out_dir / self.name
+
+
+def _version_ldflags(version: str) -> str:
+    major, minor, _ = version.lstrip("v").split(".")
+    # The module proxy has no git metadata; the build date is pinned to the release for reproducibility.
+    values = {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitCommit": "",
+        "gitTreeState": "clean",
+        "buildDate": _release_date(version),
+    }
+    flags = ["-s", "-w"]
+    for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [f"-X '{package}.{key}={value}'" for key, value in values.items()]
+    return " ".join(flags)
+
+
+def _release_date(version: str) -> str:
+    # Derived from the go.sum entry's module time would need the proxy; a fixed epoch keeps builds identical.
+    del version
+    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def targets() -> list[Target]:
+    kube = [
+        Target(
+            name,
+            f"k8s.io/kubernetes/cmd/{name}",
+            GOMOD_DIR / "kubernetes",
+            kubernetes_bin_dir(),
+            _version_ldflags(KUBERNETES_VERSION),
+        )
+        for name in KUBE_BINARIES
+    ]
+    etcd = Target("etcd", "go.etcd.io/etcd/server/v3", GOMOD_DIR / "etcd", etcd_bin_dir(), "-s -w")
+    return [etcd, *kube]
+
+
+def missing_binaries() -> list[Target]:
+    return [t for t in targets() if not t.path.exists()]
+
+
+def _build_one(target: Target, step: str, log) -> None:
+    if shutil.which("go") is None:
+        raise BuildError(f"{step}: the `go` command is not on PATH; install Go 1.26 or newer")
+    target.out_dir.mkdir(parents=True, exist_ok=True)
+    partial = target.path.with_suffix(".partial")
+    cmd = ["go", "build", "-v", "-trimpath", "-mod=readonly", "-ldflags", target.ldflags, "-o", str(partial), target.package]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=target.module_dir, env=go_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    compiled = 0
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        compiled += 1
+        tail = (tail + [line.rstrip()])[-30:]
+        if compiled % 100 == 0:
+            log(f"  {step} {target.name}: {compiled} packages compiled ({time.monotonic() - started:.0f}s)")
+    if proc.wait() != 0:
+        detail = "\n".join(tail)
+        raise BuildError(f"{step} failed: go build {target.package} (in {target.module_dir}) exited {proc.returncode}\n{detail}")
+    partial.rename(target.path)
+    log(f"  {step} {target.name}: done in {time.monotonic() - started:.0f}s -> {target.path}")
+
+
+def build(force: bool = False, log=None) -> dict:
+    """Builds what is missing (or everything with force). Returns timing and peak-memory figures."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    todo = targets() if force else missing_binaries()
+    if not todo:
+        log(f"control-plane binaries cached: kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}")
+        return {"built": [], "seconds": 0.0}
+    started = time.monotonic()
+    for index, target in enumerate(todo, 1):
+        step = f"[{index}/{len(todo)}]"
+        log(f"{step} building {target.name} from {target.package}")
+        _build_one(target, step, log)
+    seconds = time.monotonic() - started
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    log(f"built {len(todo)} binaries in {seconds:.0f}s, peak child memory {peak_mib:.0f} MiB")
+    return {"built": [t.name for t in todo], "seconds": round(seconds, 1), "peak_rss_mib": round(peak_mib)}

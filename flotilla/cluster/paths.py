@@ -1,0 +1,24 @@
+"""Where the local cluster keeps its binaries (per version, outside the repo) and its state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flotilla.cluster.versions import ETCD_VERSION, KUBERNETES_VERSION
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flotilla"
+
+
+def kubernetes_bin_dir() -> Path:
+    return cache_root() / f"kubernetes-{KUBERNETES_VERSION}" / "bin"
+
+
+def etcd_bin_dir() -> Path:
+    return cache_root() / f"etcd-{ETCD_VERSION}" / "bin"
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("FLOTILLA_CLUSTER_DIR") or Path.home() / ".local" / "state" / "flotilla" / "cluster")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything Flotilla needs into .venv (and Debian's Prometheus for the metrics tests).
+# Idempotent: the Makefile reruns it only when pyproject.toml or this script changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"Flotilla needs Python >= 3.11; {sys.executable} is {sys.version.split()[0]}")
+PY
+
+if ! command -v go >/dev/null 2>&1; then
+  echo "bootstrap: Go is needed to build the local cluster's binaries (go 1.26 or newer)" >&2
+  exit 1
+fi
+
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  echo "bootstrap: installing Debian's prometheus package (promtool and the server for the metrics tests)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # The package's own service is not wanted; tests start their own Prometheus on loopback.
+  $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
+echo "bootstrap: installing flotilla and its pinned dependencies into .venv (torch is large; first run takes a few minutes)"
+.venv/bin/python -m pip install --progress-bar on -e '.[dev]'
+touch .venv/.installed
