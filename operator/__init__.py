@@ -1,1 +1,0 @@
-"""Flotilla's Kubernetes operator, imported as flotilla.operator (see DESIGN.md, the package trap)."""

@@ -1,0 +1,201 @@
+"""The flotilla.dev/v1alpha1 API: InferenceService and Tenant, as pydantic models.
+
+These models are the one source of truth for the API's shape: crds/*.yaml is generated from them
+(`flotilla operator crds`), and the controllers parse objects through them. Python names are snake_case;
+the wire format is camelCase (aliases). Constraints written here (enums, minimums, required fields)
+become OpenAPI validation in the CRD, so the API server rejects malformed input before we see it.
+Rules that need context (other objects, the nodes, the filesystem) live in validation.py instead.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+GROUP = "flotilla.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Kubernetes quantities ("500m", "16Gi", 2): a string or an integer on the wire.
+Quantity = Annotated[
+    str | int,
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}),
+]
+# A DNS-1123 label, the shape of a Kubernetes label value we put on nodes and in selectors.
+LABEL_VALUE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def to_wire(self) -> dict:
+        """The camelCase dict as the API server stores it, without unset optional fields."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Conditions, shared by both kinds (the metav1.Condition shape, so kubectl and tools understand it).
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(description="CamelCase, machine-readable")
+    message: str = ""
+    last_transition_time: str | None = Field(default=None, description="RFC 3339")
+    observed_generation: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# InferenceService
+
+
+class ModelSource(_Model):
+    uri: str = Field(
+        min_length=1,
+        description="file:///path (a path on the node), pvc://claim/path, or hf://org/name",
+    )
+    served_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="the model name clients send; defaults to the InferenceService's name",
+    )
+
+
+class EngineConfig(_Model):
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096, description="sequences in one batch")
+    max_num_batched_tokens: int | None = Field(default=None, ge=16, le=1_048_576)
+    block_size: Literal[8, 16, 32] | None = Field(default=None, description="tokens per KV block")
+    kv_cache_memory: Quantity | None = Field(default=None, description="bytes for the KV pool, e.g. 4Gi")
+    prefix_caching: bool | None = None
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = None
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=64, description="appended to `flotilla engine serve`"
+    )
+
+
+class Resources(_Model):
+    gpus: int = Field(default=1, ge=0, le=16, description="GPUs per replica (nvidia.com/gpu)")
+    gpu_type: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=LABEL_VALUE_PATTERN,
+        description="matched against the node label flotilla.dev/gpu-type",
+    )
+    cpu: Quantity | None = None
+    memory: Quantity | None = None
+
+
+class Autoscaling(_Model):
+    """Declared here; the autoscaler (a later issue) acts on it."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(ge=1, le=1000)
+    ttft_p95_target_seconds: float | None = Field(default=None, gt=0, le=600)
+    queue_depth_target: float | None = Field(default=None, gt=0, le=100_000)
+    scale_up_window_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_window_seconds: int = Field(default=300, ge=0, le=3600)
+
+
+class InferenceServiceSpec(_Model):
+    model: ModelSource
+    resources: Resources = Field(default_factory=Resources)
+    replicas: int = Field(default=1, ge=0, le=1000, description="the scale subresource's spec.replicas")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    autoscaling: Autoscaling | None = None
+    priority: int = Field(default=0, ge=-1000, le=1000, description="higher wins under quota pressure")
+    image: str | None = Field(default=None, min_length=1, description="engine image; the operator's default if unset")
+
+
+class InferenceServiceStatus(_Model):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int = Field(default=0, description="pods that exist")
+    ready_replicas: int = 0
+    desired_replicas: int = Field(default=0, description="what the operator asks the Deployment for")
+    gpus: int = Field(default=0, description="GPUs requested by the existing pods")
+    selector: str | None = Field(default=None, description="label selector of the pods, for /scale")
+    endpoints: list[str] = Field(default_factory=list, description="OpenAI base URLs of ready pods")
+    service_url: str | None = None
+    message: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tenant (cluster-scoped). Defined here; the tenancy issue enforces quotas and meters usage.
+
+
+class Subject(_Model):
+    kind: Literal["User", "Group", "ServiceAccount"]
+    name: str = Field(min_length=1)
+    namespace: str | None = Field(default=None, description="ServiceAccount subjects only")
+
+
+class LabelSelector(_Model):
+    match_labels: dict[str, str] = Field(default_factory=dict)
+
+
+class TenantSpec(_Model):
+    namespaces: list[str] = Field(default_factory=list)
+    namespace_selector: LabelSelector | None = None
+    gpu_quota: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, description="GPUs per GPU type"
+    )
+    max_services: int | None = Field(default=None, ge=0)
+    price_per_gpu_hour: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict, alias="pricePerGPUHour"
+    )
+    members: list[Subject] = Field(default_factory=list)
+    priority: int = Field(default=0, ge=-1000, le=1000)
+
+
+class TenantStatus(_Model):
+    gpus_allocated: dict[str, int] = Field(default_factory=dict)
+    gpu_quota: dict[str, int] = Field(default_factory=dict)
+    gpu_seconds: dict[str, float] = Field(
+        default_factory=dict, description="totals keyed by dimension, filled by metering"
+    )
+    cost: float | None = None
+    last_metered_time: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kind metadata: one place for names that CRDs, RBAC and the controllers all need.
+
+
+class Kind(BaseModel):
+    kind: str
+    plural: str
+    singular: str
+    short_names: list[str]
+    scope: Literal["Namespaced", "Cluster"]
+    spec: type[_Model]
+    status: type[_Model]
+
+    @property
+    def crd_name(self) -> str:
+        return f"{self.plural}.{GROUP}"
+
+
+INFERENCE_SERVICE = Kind(
+    kind="InferenceService",
+    plural="inferenceservices",
+    singular="inferenceservice",
+    short_names=["fisvc"],
+    scope="Namespaced",
+    spec=InferenceServiceSpec,
+    status=InferenceServiceStatus,
+)
+TENANT = Kind(
+    kind="Tenant",
+    plural="tenants",
+    singular="tenant",
+    short_names=["ftenant"],
+    scope="Cluster",
+    spec=TenantSpec,
+    status=TenantStatus,
+)
+KINDS = [INFERENCE_SERVICE, TENANT]
