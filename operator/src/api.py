@@ -107,7 +107,9 @@ class InferenceServiceSpec(_Model):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     autoscaling: Autoscaling | None = None
     priority: int = Field(default=0, ge=-1000, le=1000, description="higher wins under quota pressure")
-    image: str | None = Field(default=None, min_length=1, description="engine image; the operator's default if unset")
+    image: str | None = Field(
+        default=None, min_length=1, description="engine image; the operator's default if unset"
+    )
 
 
 class InferenceServiceStatus(_Model):

@@ -1,0 +1,24 @@
+"""Operator-wide settings: what the desired state depends on besides the InferenceService itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINE_PORT = 8000
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    # The engine image when a spec names none. The local cluster ignores images and runs the command.
+    default_image: str = "ghcr.io/flotilla-dev/flotilla-engine:0.1.0"
+    # When set, hf://org/name resolves to <hf_cache_dir>/org/name on the node (the local cluster's model
+    # cache); when unset, an init container downloads the model into an emptyDir.
+    hf_cache_dir: str | None = None
+    # Whether file:// model paths are checked on the operator's own filesystem. True where the operator
+    # shares the nodes' filesystem (the local cluster); a real cluster's operator cannot see node disks.
+    check_local_model_paths: bool = True
+    # Seconds the engine gets to finish in-flight requests after SIGTERM.
+    termination_grace_seconds: int = 60
+    # Startup probe budget for slow model loads: period x failures.
+    startup_probe_period_seconds: int = 5
+    startup_probe_failures: int = 120

@@ -1,0 +1,99 @@
+"""Where a model's files come from: a spec's model uri turned into a path, volumes and init containers."""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from flotilla.operator.config import OperatorConfig
+
+SCHEMES = ("file", "pvc", "hf")
+MOUNT_ROOT = "/mnt/models"
+
+
+class ModelUriError(ValueError):
+    """A uri that names no model we can mount; the message says what is wrong and what is accepted."""
+
+
+@dataclass(frozen=True)
+class ModelUri:
+    scheme: str
+    location: str  # file: absolute path; pvc: claim name; hf: org/name
+    sub_path: str = ""  # pvc only: the model folder inside the claim
+
+
+def parse_model_uri(uri: str) -> ModelUri:
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        shown = f"'{parts.scheme}'" if parts.scheme else "no scheme"
+        raise ModelUriError(
+            f"unsupported uri scheme {shown} in {uri!r}; use file:///path, pvc://claim/path or hf://org/name"
+        )
+    if scheme == "file":
+        if parts.netloc:
+            raise ModelUriError(f"{uri!r}: a file uri needs an absolute path, like file:///models/name")
+        path = posixpath.normpath(parts.path or "/")
+        if path == "/":
+            raise ModelUriError(f"{uri!r}: a file uri needs a model folder, like file:///models/name")
+        return ModelUri("file", path)
+    if scheme == "pvc":
+        sub_path = parts.path.strip("/")
+        if not parts.netloc or not sub_path:
+            raise ModelUriError(f"{uri!r}: a pvc uri needs a claim and a path, like pvc://models/llama-3-8b")
+        return ModelUri("pvc", parts.netloc, sub_path)
+    name = f"{parts.netloc}{parts.path}".strip("/")
+    if name.count("/") != 1 or not all(name.split("/")):
+        raise ModelUriError(f"{uri!r}: an hf uri names one repository, like hf://org/name")
+    return ModelUri("hf", name)
+
+
+@dataclass
+class ModelMount:
+    path: str  # the --model argument inside the container
+    volumes: list[dict] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+    init_containers: list[dict] = field(default_factory=list)
+
+
+def model_mount(model: ModelUri, config: OperatorConfig, image: str) -> ModelMount:
+    """Volumes, mounts and the in-container path for a parsed model uri."""
+    if model.scheme == "file":
+        return _host_path(model.location)
+    if model.scheme == "pvc":
+        mount_path = f"{MOUNT_ROOT}/{model.location}"
+        return ModelMount(
+            path=f"{mount_path}/{model.sub_path}",
+            volumes=[
+                {"name": "model", "persistentVolumeClaim": {"claimName": model.location, "readOnly": True}}
+            ],
+            mounts=[{"name": "model", "mountPath": mount_path, "readOnly": True}],
+        )
+    if config.hf_cache_dir:
+        return _host_path(posixpath.join(config.hf_cache_dir, model.location))
+    # A real cluster: an init container fetches the repository into a pod-local volume.
+    path = f"{MOUNT_ROOT}/hf/{model.location}"
+    return ModelMount(
+        path=path,
+        volumes=[{"name": "model", "emptyDir": {}}],
+        mounts=[{"name": "model", "mountPath": MOUNT_ROOT, "readOnly": True}],
+        init_containers=[
+            {
+                "name": "fetch-model",
+                "image": image,
+                "command": ["flotilla", "model", "fetch", f"hf://{model.location}", "--dest", path],
+                "volumeMounts": [{"name": "model", "mountPath": MOUNT_ROOT}],
+            }
+        ],
+    )
+
+
+def _host_path(path: str) -> ModelMount:
+    # Mounted at the same path, so the command reads the same in the image and in the local cluster,
+    # whose node agent runs the command on the host itself.
+    return ModelMount(
+        path=path,
+        volumes=[{"name": "model", "hostPath": {"path": path, "type": "Directory"}}],
+        mounts=[{"name": "model", "mountPath": path, "readOnly": True}],
+    )

@@ -1,0 +1,35 @@
+"""Names and labels shared by the desired state, the watches and RBAC: one definition each."""
+
+from __future__ import annotations
+
+FIELD_MANAGER = "flotilla"
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TYPE_LABEL = "flotilla.dev/gpu-type"
+
+SERVICE_LABEL = "flotilla.dev/inferenceservice"  # the pod selector; immutable on a Deployment
+TENANT_LABEL = "flotilla.dev/tenant"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "flotilla"
+
+NO_TENANT = ""  # FLOTILLA_TENANT's value when no Tenant claims the namespace
+
+
+def selector_labels(service: str) -> dict[str, str]:
+    return {SERVICE_LABEL: service}
+
+
+def child_labels(service: str, tenant: str) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": "flotilla-engine",
+        "app.kubernetes.io/instance": service,
+        MANAGED_BY_LABEL: MANAGED_BY,
+        **selector_labels(service),
+    }
+    if tenant:
+        labels[TENANT_LABEL] = tenant
+    return labels
+
+
+def selector_string(service: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(service).items())

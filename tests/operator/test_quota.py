@@ -1,0 +1,60 @@
+"""The reconciler's quota rule: how many replicas a tenant's quota admits, and what status says."""
+
+from __future__ import annotations
+
+from flotilla.operator.api import TenantSpec
+from flotilla.operator.quota import Grant, decide, tenant_for_namespace, used_gpus
+
+TENANT = TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 8})
+
+
+def _decide(requested, current=0, used=0, gpus=2, gpu_type="h100", tenant="team-a", spec=TENANT):
+    return decide(
+        tenant=tenant,
+        tenant_spec=spec,
+        gpu_type=gpu_type,
+        gpus_per_replica=gpus,
+        requested=requested,
+        current=current,
+        used_by_others=used,
+    )
+
+
+def test_within_quota():
+    d = _decide(3, used=2)
+    assert (d.replicas, d.admitted, d.reason) == (3, True, "WithinQuota")
+
+
+def test_over_quota_names_tenant_ask_limit_and_use():
+    d = _decide(4, used=4)
+    assert not d.admitted and d.reason == "QuotaExceeded"
+    assert d.replicas == 2  # (8 - 4) // 2
+    for words in ("tenant team-a", "4 replicas x 2 h100 GPUs = 8", "quota is 8", "use 4"):
+        assert words in d.message
+
+
+def test_a_lowered_quota_never_removes_running_replicas():
+    d = _decide(3, current=3, used=6)
+    assert d.replicas == 3 and not d.admitted
+
+
+def test_no_tenant_means_no_quota():
+    d = _decide(100, tenant=None, spec=None)
+    assert d.admitted and d.replicas == 100 and d.reason == "NoTenant"
+
+
+def test_gpu_type_outside_the_quota():
+    d = _decide(1, gpu_type="l4")
+    assert not d.admitted and d.replicas == 0 and "covers: h100" in d.message
+
+
+def test_cpu_only_services_are_free():
+    assert _decide(5, gpus=0, gpu_type=None).admitted
+
+
+def test_tenant_lookup_and_usage():
+    tenants = [("b", TenantSpec(namespaces=["x"])), ("a", TenantSpec(namespaces=["team-a"]))]
+    assert tenant_for_namespace("team-a", tenants) == "a"
+    assert tenant_for_namespace("nobody", tenants) is None
+    grants = [Grant("a", "h100", 2), Grant("a", "l4", 1), Grant("b", "h100", 4)]
+    assert used_gpus(grants, "a", "h100") == 2

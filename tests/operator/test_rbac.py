@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from flotilla.operator.rbac import RULES, render
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "operator-rbac.yaml"
+
+
+def test_checked_in_rbac_matches_the_rules():
+    assert DEPLOY.read_text() == render("flotilla-system"), "run `flotilla operator rbac`"
+
+
+def test_least_privilege():
+    verbs = {(group, res): set(v) for group, resources, v, _ in RULES for res in resources}
+    # The operator never deletes: garbage collection removes children through owner references.
+    assert all("delete" not in v and "*" not in v for v in verbs.values())
+    assert verbs[("", "pods")] == {"get", "list", "watch"}
+    assert "secrets" not in {res for _, res in verbs}
