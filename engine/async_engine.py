@@ -1,0 +1,136 @@
+"""AsyncEngine: drives an LLMEngine from one worker thread so an asyncio server stays responsive.
+
+Callers on the event loop create requests (tokenized and validated at once, so bad input raises in
+the caller), and iterate their outputs with `async for`. Adds and aborts are queued and applied by the
+worker between steps; leaving the `async for` early (client gone, task cancelled) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from flotilla.engine.llm_engine import LLMEngine
+from flotilla.engine.outputs import EngineStats, RequestOutput
+from flotilla.engine.request import Request
+from flotilla.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._to_add: list[Request] = []
+        self._to_abort: list[str] = []
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def start(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="flotilla-engine")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs (new tokens and text each step) until it finishes."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error!r}")
+        self.start()
+        request = self.engine.create_request(prompt, params, request_id, priority)
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        with self._lock:
+            self._to_add.append(request)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped: {item!r}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._to_abort.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _work(self) -> list[RequestOutput]:
+        """Runs in the worker thread: apply queued adds/aborts, then one step."""
+        with self._lock:
+            adds, self._to_add = self._to_add, []
+            aborts, self._to_abort = self._to_abort, []
+        aborted = set(aborts)
+        for request in adds:
+            if request.request_id not in aborted:  # its client left before it was queued
+                self.engine.add_created_request(request)
+        for rid in aborts:
+            self.engine.abort(rid)
+        if not self.engine.has_unfinished_requests():
+            return []
+        return self.engine.step()
+
+    def _has_work(self) -> bool:
+        with self._lock:
+            queued = bool(self._to_add or self._to_abort)
+        return queued or self.engine.has_unfinished_requests()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                if not self._has_work():
+                    self._wakeup.clear()
+                    if not self._has_work():
+                        await self._wakeup.wait()
+                outputs = await asyncio.to_thread(self._work)
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the engine is broken: fail every stream
+            self._error = exc
+            for queue in self._queues.values():
+                queue.put_nowait(exc)
+            raise

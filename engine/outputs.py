@@ -1,0 +1,49 @@
+"""What the engine hands back each step, per request: the new tokens and text, and, when it finishes,
+the reason and the whole output. Also the engine-wide counters a server exports as metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely tokens at this step, (token id, logprob), most likely first; empty unless asked.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    logprobs: list[TokenLogprob] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    arrival_time: float
+    first_token_time: float | None
+    last_token_time: float | None
+    # Filled in when finished: the whole generated text and tokens (stop string removed).
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters (the server turns them into Prometheus counters) plus the latest gauges."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # used KV blocks / all KV blocks
+    num_steps: int = 0
