@@ -72,7 +72,9 @@ def release_gomod_text(module: str, version: str) -> str:
     )
     info = json.loads(result.stdout or "{}")
     if result.returncode != 0 or "GoMod" not in info:
-        raise RuntimeError(f"go mod download {module}@{version} failed: {info.get('Error') or result.stderr.strip()}")
+        raise RuntimeError(
+            f"go mod download {module}@{version} failed: {info.get('Error') or result.stderr.strip()}"
+        )
     return Path(info["GoMod"]).read_text()
 
 
@@ -111,7 +113,10 @@ def generate(progress=print) -> None:
             GOMOD_DIR / "kubernetes",
             kubernetes_wrapper_gomod(release_gomod_text("k8s.io/kubernetes", KUBERNETES_VERSION)),
         ),
-        (GOMOD_DIR / "etcd", etcd_wrapper_gomod(release_gomod_text("go.etcd.io/etcd/server/v3", ETCD_VERSION))),
+        (
+            GOMOD_DIR / "etcd",
+            etcd_wrapper_gomod(release_gomod_text("go.etcd.io/etcd/server/v3", ETCD_VERSION)),
+        ),
     ]
     for folder, text in jobs:
         (folder / "go.mod").write_text(text)

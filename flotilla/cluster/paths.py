@@ -21,4 +21,6 @@ def etcd_bin_dir() -> Path:
 
 
 def default_state_dir() -> Path:
-    return Path(os.environ.get("FLOTILLA_CLUSTER_DIR") or Path.home() / ".local" / "state" / "flotilla" / "cluster")
+    return Path(
+        os.environ.get("FLOTILLA_CLUSTER_DIR") or Path.home() / ".local" / "state" / "flotilla" / "cluster"
+    )

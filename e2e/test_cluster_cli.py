@@ -1,0 +1,61 @@
+"""Wrong input to `flotilla cluster` gets a clear message and starts nothing."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from flotilla.cluster.processes import ProcessTable
+
+
+def _flotilla(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flotilla.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_unknown_flag_is_named():
+    result = _flotilla("cluster", "up", "--gpu-count", "4")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --gpu-count" in result.stderr
+
+
+def test_port_already_taken_is_named_and_nothing_starts(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free_port = probe.getsockname()[1]
+        result = _flotilla(
+            "cluster",
+            "up",
+            "--no-build",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--apiserver-port",
+            str(port),
+            "--etcd-port",
+            str(free_port),
+        )
+    assert result.returncode == 1
+    assert f"port {port} for kube-apiserver on 127.0.0.1 is already taken" in result.stderr
+    assert ProcessTable(tmp_path / "state" / "pids").names() == []
+
+
+def test_missing_binary_with_build_switched_off(tmp_path):
+    import os
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "empty-cache"))
+    result = _flotilla("cluster", "up", "--no-build", "--state-dir", str(tmp_path / "state"), env=env)
+    assert result.returncode == 1
+    assert "missing binary" in result.stderr and "etcd" in result.stderr
+    assert "flotilla cluster build" in result.stderr
+
+
+def test_bad_node_count_is_refused(tmp_path):
+    result = _flotilla("cluster", "up", "--no-build", "--nodes", "0", "--state-dir", str(tmp_path / "s"))
+    assert result.returncode == 1
+    assert "--nodes must be at least 1, got 0" in result.stderr

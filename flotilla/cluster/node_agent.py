@@ -1,0 +1,398 @@
+"""The node agent: Flotilla's stand-in for the kubelet in the local cluster.
+
+It registers fake GPU nodes, keeps their leases and Ready condition fresh, and runs every pod bound to
+them as local processes on the pod's own loopback address (127.x.y.z), reporting status like a kubelet.
+Images are never pulled: a container's command must exist on this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from flotilla.cluster.kubeclient import ApiError, KubeClient
+from flotilla.cluster.pod_runtime import PodRuntime, now_rfc3339
+from flotilla.cluster.pod_status import pod_status, simulated_status
+from flotilla.cluster.processes import ProcessTable, stop_all
+
+HOST_IP = "127.0.0.1"
+GPU_TYPE_LABEL = "flotilla.dev/gpu-type"
+LEASE_SECONDS = 40
+LEASE_RENEW_SECONDS = 10
+NODE_STATUS_SECONDS = 60
+
+
+def log(message: str) -> None:
+    print(f"{dt.datetime.now().strftime('%H:%M:%S.%f')[:-3]} {message}", flush=True)
+
+
+def micro_time() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def node_ip_prefix(index: int) -> str:
+    """Node i owns 127.a.b.0/24 with a >= 1, so no pod ever gets 127.0.0.x."""
+    return f"127.{1 + index // 250}.{index % 250}"
+
+
+class IpPool:
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.used: set[str] = set()
+
+    def take(self, preferred: str | None = None) -> str:
+        if preferred and preferred.startswith(self.prefix + ".") and preferred not in self.used:
+            self.used.add(preferred)
+            return preferred
+        for host in range(2, 255):
+            ip = f"{self.prefix}.{host}"
+            if ip not in self.used:
+                self.used.add(ip)
+                return ip
+        raise RuntimeError(f"node pool {self.prefix}.0/24 has no free pod address")
+
+    def release(self, ip: str) -> None:
+        self.used.discard(ip)
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        client: KubeClient,
+        node_names: list[str],
+        gpus: int,
+        gpu_type: str,
+        state_dir: Path,
+        simulate: bool = False,
+        backoff_base: float = 1.0,
+    ):
+        self.client = client
+        self.nodes = {name: IpPool(node_ip_prefix(i)) for i, name in enumerate(node_names)}
+        self.gpus, self.gpu_type = gpus, gpu_type
+        self.state_dir = state_dir
+        self.simulate = simulate
+        self.backoff_base = backoff_base
+        self.pids = ProcessTable(state_dir / "pids")
+        self.probe_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="probe")
+        self.lock = threading.Lock()
+        self.seen: dict[str, dict] = {}  # uid -> latest pod object from the watch
+        self.runtimes: dict[str, PodRuntime] = {}
+        self.simulated: dict[str, str] = {}  # uid -> pod IP, for --simulate
+        self.sent: dict[str, dict] = {}  # uid -> last status written
+        self.stopping = threading.Event()
+
+    # -- nodes and leases -------------------------------------------------------------------------
+
+    def _node_status(self) -> dict:
+        capacity = {
+            "cpu": "64",
+            "memory": "512Gi",
+            "pods": "250",
+            "ephemeral-storage": "1Ti",
+            "nvidia.com/gpu": str(self.gpus),
+        }
+        now = now_rfc3339()
+        conditions = [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "FlotillaAgentReady",
+                "message": "node agent is running",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            },
+        ] + [
+            {
+                "type": t,
+                "status": "False",
+                "reason": f"No{t}",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            for t in ("MemoryPressure", "DiskPressure", "PIDPressure")
+        ]
+        return {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": conditions,
+            "addresses": [
+                {"type": "InternalIP", "address": HOST_IP},
+                {"type": "Hostname", "address": HOST_IP},
+            ],
+            "nodeInfo": {
+                "kubeletVersion": "flotilla-node-agent",
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+                "containerRuntimeVersion": "flotilla://local-process",
+                "osImage": "local processes",
+                "kernelVersion": "",
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+            },
+        }
+
+    def register_nodes(self) -> None:
+        for name in self.nodes:
+            labels = {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                GPU_TYPE_LABEL: self.gpu_type,
+                "flotilla.dev/node-agent": "true",
+            }
+            body = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": labels},
+                "status": self._node_status(),
+            }
+            try:
+                self.client.create("/api/v1/nodes", body)
+                log(f"registered node {name} ({self.gpus}x nvidia.com/gpu, {GPU_TYPE_LABEL}={self.gpu_type})")
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                self.client.strategic_patch(f"/api/v1/nodes/{name}", {"metadata": {"labels": labels}})
+                log(f"node {name} exists; refreshed its labels")
+            self.client.strategic_patch(f"/api/v1/nodes/{name}/status", {"status": self._node_status()})
+
+    def renew_leases(self) -> None:
+        for name in self.nodes:
+            path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}"
+            spec = {"holderIdentity": name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": micro_time()}
+            try:
+                self.client.merge_patch(path, {"spec": spec})
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                node = self.client.get(f"/api/v1/nodes/{name}")
+                owner = {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node["metadata"]["uid"]}
+                self.client.create(
+                    "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                    {"metadata": {"name": name, "ownerReferences": [owner]}, "spec": spec},
+                )
+
+    def heartbeat_loop(self) -> None:
+        last_status = 0.0
+        while not self.stopping.is_set():
+            try:
+                self.renew_leases()
+                if time.monotonic() - last_status > NODE_STATUS_SECONDS:
+                    for name in self.nodes:
+                        self.client.strategic_patch(
+                            f"/api/v1/nodes/{name}/status", {"status": self._node_status()}
+                        )
+                    last_status = time.monotonic()
+            except Exception as exc:  # keep heartbeating through API hiccups
+                log(f"heartbeat failed: {exc}")
+            self.stopping.wait(LEASE_RENEW_SECONDS)
+
+    # -- pods --------------------------------------------------------------------------------------
+
+    def _mine(self, pod: dict) -> bool:
+        return pod.get("spec", {}).get("nodeName") in self.nodes
+
+    def watch_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                listing = self.client.get("/api/v1/pods")
+                with self.lock:
+                    self.seen = {p["metadata"]["uid"]: p for p in listing["items"] if self._mine(p)}
+                version = listing["metadata"]["resourceVersion"]
+                for event in self.client.watch("/api/v1/pods", version, timeout_seconds=240):
+                    if self.stopping.is_set():
+                        return
+                    kind, pod = event["type"], event["object"]
+                    if kind == "BOOKMARK":
+                        continue
+                    if kind == "ERROR":
+                        break
+                    if not self._mine(pod):
+                        continue
+                    with self.lock:
+                        if kind == "DELETED":
+                            self.seen.pop(pod["metadata"]["uid"], None)
+                        else:
+                            self.seen[pod["metadata"]["uid"]] = pod
+            except Exception as exc:
+                if not self.stopping.is_set():
+                    log(f"pod watch restarting: {exc}")
+                    self.stopping.wait(1.0)
+
+    def _lookup(self, kind: str):
+        def get(namespace: str, name: str) -> dict[str, str] | None:
+            try:
+                obj = self.client.get(f"/api/v1/namespaces/{namespace}/{kind}/{name}")
+            except ApiError as exc:
+                if exc.status == 404:
+                    return None
+                raise
+            if kind == "secrets":
+                from flotilla.cluster.pod_env import secret_data
+
+                return secret_data(obj)
+            return dict(obj.get("data") or {})
+
+        return get
+
+    def _pod_path(self, pod: dict) -> str:
+        meta = pod["metadata"]
+        return f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+
+    def _write_status(self, uid: str, pod: dict, status: dict) -> None:
+        if self.sent.get(uid) == status:
+            return
+        try:
+            self.client.strategic_patch(self._pod_path(pod) + "/status", {"status": status})
+            self.sent[uid] = status
+        except ApiError as exc:
+            if exc.status != 404:
+                log(f"status of {pod['metadata']['namespace']}/{pod['metadata']['name']}: {exc}")
+
+    def _finish_deletion(self, uid: str, pod: dict) -> None:
+        try:
+            self.client.delete(self._pod_path(pod), {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}})
+        except ApiError as exc:
+            if exc.status not in (404, 409):
+                log(f"deleting {pod['metadata']['name']}: {exc}")
+                return
+        log(f"pod {pod['metadata']['namespace']}/{pod['metadata']['name']} stopped and removed")
+        self._forget(uid, pod)
+
+    def _forget(self, uid: str, pod: dict) -> None:
+        runtime = self.runtimes.pop(uid, None)
+        ip = runtime.pod_ip if runtime else self.simulated.pop(uid, None)
+        if ip:
+            self.nodes[pod["spec"]["nodeName"]].release(ip)
+        self.sent.pop(uid, None)
+
+    def sync_once(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            seen = dict(self.seen)
+        for uid, pod in seen.items():
+            meta, spec = pod["metadata"], pod["spec"]
+            deleting = meta.get("deletionTimestamp") is not None
+            pool = self.nodes[spec["nodeName"]]
+            if self.simulate:
+                if deleting:
+                    self._finish_deletion(uid, pod)
+                    continue
+                if uid not in self.simulated:
+                    self.simulated[uid] = pool.take((pod.get("status") or {}).get("podIP"))
+                start = (pod.get("status") or {}).get("startTime") or now_rfc3339()
+                self._write_status(uid, pod, simulated_status(pod, self.simulated[uid], HOST_IP, start))
+                continue
+            runtime = self.runtimes.get(uid)
+            if runtime is None:
+                if deleting:
+                    self._finish_deletion(uid, pod)
+                    continue
+                if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                    continue
+                ip = pool.take((pod.get("status") or {}).get("podIP"))
+                runtime = PodRuntime(
+                    pod,
+                    ip,
+                    HOST_IP,
+                    self.state_dir / "logs" / f"{meta['namespace']}_{meta['name']}",
+                    self.pids,
+                    (self._lookup("configmaps"), self._lookup("secrets")),
+                    self.probe_pool,
+                    backoff_base=self.backoff_base,
+                )
+                self.runtimes[uid] = runtime
+                log(f"pod {meta['namespace']}/{meta['name']} on {spec['nodeName']} at {ip}")
+            runtime.pod = pod
+            if deleting:
+                grace = meta.get("deletionGracePeriodSeconds", spec.get("terminationGracePeriodSeconds", 30))
+                runtime.begin_termination(float(grace), now)
+                if runtime.termination_done(now):
+                    self._finish_deletion(uid, pod)
+                continue
+            runtime.sync(now)
+            self._write_status(uid, pod, pod_status(runtime))
+        for uid in set(self.runtimes) - set(seen):
+            runtime = self.runtimes[uid]
+            runtime.kill_now()
+            self._forget(uid, runtime.pod)
+        for uid in set(self.simulated) - set(seen):
+            self.simulated.pop(uid, None)
+
+    def run(self) -> None:
+        stopped = stop_all(self.pids.folder)
+        if stopped:
+            log(f"stopped {len(stopped)} pod processes left by a previous agent")
+        self.register_nodes()
+        self.renew_leases()
+        threads = [
+            threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True),
+            threading.Thread(target=self.watch_loop, name="pod-watch", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        log(f"node agent running: {len(self.nodes)} nodes{' (simulated pods)' if self.simulate else ''}")
+        while not self.stopping.is_set():
+            try:
+                self.sync_once()
+            except Exception as exc:
+                log(f"sync failed: {exc!r}")
+            self.stopping.wait(0.25)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        log("node agent stopping: terminating pod processes")
+        now = time.monotonic()
+        for runtime in self.runtimes.values():
+            runtime.begin_termination(5.0, now)
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline and not all(
+            r.termination_done(time.monotonic()) for r in self.runtimes.values()
+        ):
+            time.sleep(0.1)
+        for runtime in self.runtimes.values():
+            runtime.kill_now()
+        self.probe_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flotilla-node-agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--kubeconfig", type=Path, required=True)
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpu-type", default="h100")
+    parser.add_argument("--node-prefix", default="gpu-node")
+    parser.add_argument(
+        "--simulate", action="store_true", help="mark pods Running and Ready without processes"
+    )
+    parser.add_argument(
+        "--restart-backoff", type=float, default=1.0, help="first restart back-off in seconds"
+    )
+    args = parser.parse_args(argv)
+    names = [f"{args.node_prefix}-{i}" for i in range(args.nodes)]
+    agent = NodeAgent(
+        KubeClient(args.kubeconfig),
+        names,
+        args.gpus,
+        args.gpu_type,
+        args.state_dir,
+        simulate=args.simulate,
+        backoff_base=args.restart_backoff,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: agent.stopping.set())
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

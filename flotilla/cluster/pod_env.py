@@ -1,0 +1,146 @@
+"""A container's environment and command line, resolved the way the kubelet does it.
+
+Pure functions: the ConfigMap and Secret lookups are passed in, so this unit-tests without a cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Callable
+
+# (namespace, name) -> the object's data (ConfigMap) or decoded data (Secret); None when absent.
+Lookup = Callable[[str, str], dict[str, str] | None]
+
+
+class EnvError(ValueError):
+    """A reference that cannot be resolved; the pod waits with reason CreateContainerConfigError."""
+
+
+def secret_data(secret: dict) -> dict[str, str]:
+    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    data.update(secret.get("stringData") or {})
+    return data
+
+
+def _field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
+    meta, spec = pod.get("metadata", {}), pod.get("spec", {})
+    simple = {
+        "metadata.name": meta.get("name", ""),
+        "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": spec.get("nodeName", ""),
+        "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+        "status.podIP": pod_ip,
+        "status.podIPs": pod_ip,
+        "status.hostIP": host_ip,
+        "status.hostIPs": host_ip,
+    }
+    if path in simple:
+        return simple[path]
+    match = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+    if match:
+        return (meta.get(match.group(1)) or {}).get(match.group(2), "")
+    raise EnvError(f"fieldRef {path!r} is not supported by the node agent")
+
+
+_CPU_UNITS = {"m": 0.001, "": 1.0}
+_MEM_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+def _resource_ref(container: dict, ref: dict) -> str:
+    kind, _, resource = ref["resource"].partition(".")
+    value = ((container.get("resources") or {}).get(kind) or {}).get(resource)
+    if value is None:
+        return "0"
+    divisor = str(ref.get("divisor", "1"))
+    if resource == "cpu":
+
+        def cpu(q: str) -> float:
+            return float(q[:-1]) * 0.001 if q.endswith("m") else float(q)
+
+        import math
+
+        return str(math.ceil(cpu(str(value)) / cpu(divisor)))
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(value))
+    if not match or match.group(2) not in _MEM_UNITS:
+        return str(value)
+    amount = float(match.group(1)) * _MEM_UNITS[match.group(2)]
+    dmatch = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", divisor)
+    div = float(dmatch.group(1)) * _MEM_UNITS.get(dmatch.group(2), 1) if dmatch else 1
+    return str(int(-(-amount // div)))
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: unknown references stay as written, $$ escapes a dollar."""
+
+    def replace(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env.get(name, match.group(0))
+
+    return _VAR.sub(replace, text)
+
+
+def container_env(
+    pod: dict, container: dict, pod_ip: str, host_ip: str, config_maps: Lookup, secrets: Lookup
+) -> dict[str, str]:
+    namespace = pod["metadata"]["namespace"]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom") or []:
+        prefix = source.get("prefix", "")
+        for kind, lookup in (("configMapRef", config_maps), ("secretRef", secrets)):
+            ref = source.get(kind)
+            if not ref:
+                continue
+            data = lookup(namespace, ref["name"])
+            if data is None:
+                if ref.get("optional"):
+                    continue
+                raise EnvError(f"{kind.removesuffix('Ref')} {namespace}/{ref['name']} not found")
+            env.update({prefix + k: v for k, v in data.items()})
+    for item in container.get("env") or []:
+        name = item["name"]
+        if "value" in item or "valueFrom" not in item:
+            env[name] = expand(item.get("value", ""), env)
+            continue
+        source = item["valueFrom"]
+        if "fieldRef" in source:
+            env[name] = _field_ref(pod, source["fieldRef"]["fieldPath"], pod_ip, host_ip)
+        elif "resourceFieldRef" in source:
+            env[name] = _resource_ref(container, source["resourceFieldRef"])
+        else:
+            kind = "configMapKeyRef" if "configMapKeyRef" in source else "secretKeyRef"
+            ref = source[kind]
+            data = (config_maps if kind == "configMapKeyRef" else secrets)(namespace, ref["name"])
+            if data is None or ref["key"] not in data:
+                if ref.get("optional"):
+                    continue
+                what = "configmap" if kind == "configMapKeyRef" else "secret"
+                raise EnvError(f"{what} {namespace}/{ref['name']} has no key {ref['key']!r} (env {name})")
+            env[name] = data[ref["key"]]
+    return env
+
+
+def container_argv(container: dict, env: dict[str, str]) -> list[str]:
+    command = container.get("command") or []
+    if not command:
+        raise EnvError(
+            f"container {container['name']!r} has no command: images are never pulled in the local cluster, "
+            "so the container must name a command that exists on this host"
+        )
+    return [expand(part, env) for part in [*command, *(container.get("args") or [])]]

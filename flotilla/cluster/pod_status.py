@@ -1,0 +1,104 @@
+"""The pod status the agent reports: phase, conditions, IPs and container statuses."""
+
+from __future__ import annotations
+
+from flotilla.cluster.pod_runtime import ContainerRun, PodRuntime
+
+
+def container_status(run: ContainerRun) -> dict:
+    status = {
+        "name": run.name,
+        "image": run.spec.get("image") or "local",
+        "imageID": "",
+        "ready": run.ready,
+        "started": run.started,
+        "restartCount": run.restart_count,
+    }
+    if run.running:
+        status["state"] = {"running": {"startedAt": run.started_at}}
+        status["containerID"] = f"flotilla://{run.proc.pid}"
+    elif run.terminated is not None and not run.waiting_reason:
+        status["state"] = {"terminated": run.terminated}
+    else:
+        waiting = {"reason": run.waiting_reason or "ContainerCreating"}
+        if run.waiting_message:
+            waiting["message"] = run.waiting_message
+        status["state"] = {"waiting": waiting}
+    last = run.terminated if run.waiting_reason and run.terminated else run.last_terminated
+    status["lastState"] = {"terminated": last} if last else {}
+    return status
+
+
+def phase(runtime: PodRuntime) -> str:
+    runs = runtime.containers
+    if any(r.running for r in runs):
+        return "Running"
+    finished = [r.terminated for r in runs]
+    policy = runtime.restart_policy
+    if all(t is not None for t in finished) and all(not r.waiting_reason for r in runs):
+        if all(t["exitCode"] == 0 for t in finished):
+            return "Succeeded"
+        if policy == "Never":
+            return "Failed"
+    if any(r.started_at for r in runs):
+        return "Running"
+    return "Pending"
+
+
+def _condition(kind: str, ok: bool, reason: str = "") -> dict:
+    condition = {"type": kind, "status": "True" if ok else "False"}
+    if reason and not ok:
+        condition["reason"] = reason
+    return condition
+
+
+def pod_status(runtime: PodRuntime) -> dict:
+    statuses = [container_status(run) for run in runtime.containers]
+    all_ready = all(s["ready"] for s in statuses)
+    current_phase = phase(runtime)
+    not_ready = "PodCompleted" if current_phase in ("Succeeded", "Failed") else "ContainersNotReady"
+    return {
+        "phase": current_phase,
+        "hostIP": runtime.host_ip,
+        "hostIPs": [{"ip": runtime.host_ip}],
+        "podIP": runtime.pod_ip,
+        "podIPs": [{"ip": runtime.pod_ip}],
+        "startTime": runtime.start_time,
+        "conditions": [
+            _condition("PodReadyToStartContainers", True),
+            _condition("Initialized", True),
+            _condition("ContainersReady", all_ready, not_ready),
+            _condition("Ready", all_ready, not_ready),
+        ],
+        "containerStatuses": statuses,
+    }
+
+
+def simulated_status(pod: dict, pod_ip: str, host_ip: str, start_time: str) -> dict:
+    """--simulate: Running and Ready at once, no process."""
+    statuses = [
+        {
+            "name": c["name"],
+            "image": c.get("image") or "local",
+            "imageID": "",
+            "ready": True,
+            "started": True,
+            "restartCount": 0,
+            "state": {"running": {"startedAt": start_time}},
+            "lastState": {},
+        }
+        for c in pod["spec"]["containers"]
+    ]
+    return {
+        "phase": "Running",
+        "hostIP": host_ip,
+        "hostIPs": [{"ip": host_ip}],
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}],
+        "startTime": start_time,
+        "conditions": [
+            _condition(t, True)
+            for t in ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+        ],
+        "containerStatuses": statuses,
+    }

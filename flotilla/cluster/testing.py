@@ -1,0 +1,64 @@
+"""Test support for the real local cluster: a handle with kubectl, and polling with a clear failure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from flotilla.cluster.control_plane import ClusterConfig, kubectl_path
+
+T = TypeVar("T")
+
+
+@dataclass
+class ClusterHandle:
+    config: ClusterConfig
+    started_here: bool
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.config.kubeconfig
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [str(kubectl_path()), f"--kubeconfig={self.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}"
+            )
+        return result
+
+    def get_json(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, manifest: str, namespace: str | None = None) -> subprocess.CompletedProcess:
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl("apply", *ns, "-f", "-", input=manifest)
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.5) -> T:
+    """Polls until predicate returns something truthy; fails naming what was awaited and the last value."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except AssertionError as exc:
+            last = exc
+        else:
+            if last:
+                return last  # type: ignore[return-value]
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}")

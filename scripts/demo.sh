@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# `make demo`: build (or reuse) the control-plane binaries, start the local cluster, show its GPU nodes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source .venv/bin/activate
+
+echo "== control-plane binaries (first build takes a while; cached per version afterwards)"
+flotilla cluster build
+
+echo "== starting the local cluster"
+flotilla cluster up
