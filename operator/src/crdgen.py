@@ -168,9 +168,44 @@ def render(kind: Kind) -> str:
     return HEADER + yaml.safe_dump(crd(kind), sort_keys=False, width=110)
 
 
+PEERING_CRD_NAME = "clusterkopfpeerings.kopf.dev"
+
+
+def kopf_peering_crd() -> dict[str, Any]:
+    """kopf's ClusterKopfPeering: the object through which operator replicas see each other, so that
+    only one acts (kopf's peering). Its status is kopf's own, free-form."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": PEERING_CRD_NAME},
+        "spec": {
+            "group": "kopf.dev",
+            "scope": "Cluster",
+            "names": {
+                "kind": "ClusterKopfPeering",
+                "plural": "clusterkopfpeerings",
+                "singular": "clusterkopfpeering",
+            },
+            "versions": [
+                {"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": schema}}
+            ],
+        },
+    }
+
+
 def crd_files() -> dict[str, str]:
-    """File name -> YAML text, for every kind."""
-    return {f"{kind.crd_name}.yaml": render(kind) for kind in KINDS}
+    """File name -> YAML text, for every kind (and kopf's peering CRD)."""
+    files = {f"{kind.crd_name}.yaml": render(kind) for kind in KINDS}
+    files[f"{PEERING_CRD_NAME}.yaml"] = HEADER + yaml.safe_dump(
+        kopf_peering_crd(), sort_keys=False, width=110
+    )
+    return files
 
 
 def write_crds(directory: Path) -> list[Path]:

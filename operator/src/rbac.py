@@ -10,6 +10,7 @@ import yaml
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, TENANT
 
 SERVICE_ACCOUNT = "flotilla-operator"
+PEERING = "flotilla"  # the ClusterKopfPeering object the operator's replicas meet in
 ROLE = "flotilla-operator"
 
 # (apiGroup, resources, verbs, why). Server-side apply is a PATCH, and needs create when the object is new.
@@ -33,7 +34,7 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
     ("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch"], "drain safety"),
     ("", ["pods"], ["get", "list", "watch"], "status: readiness, restarts, endpoints"),
     ("", ["nodes"], ["get", "list", "watch"], "which GPU types exist, for validation"),
-    ("", ["events"], ["create", "patch"], "Warning and Normal events on InferenceServices"),
+    ("", ["events"], ["create"], "Warning and Normal events on InferenceServices"),
     (
         "apiextensions.k8s.io",
         ["customresourcedefinitions"],
@@ -74,6 +75,11 @@ def manifests(namespace: str) -> list[dict]:
             "metadata": {"name": ROLE, "labels": labels},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE},
             "subjects": [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": PEERING, "labels": labels},
         },
     ]
 

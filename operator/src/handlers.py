@@ -1,0 +1,377 @@
+"""kopf handlers: the thin shell around reconcile.plan.
+
+What they do, and nothing more:
+- keep in-memory indexes (fed by watches) of nodes' GPU types, Tenants, InferenceServices and the
+  Deployments and pods the operator owns, so that a reconcile reads no API;
+- on an InferenceService create/update/resume, gather a World, call `plan`, server-side apply the
+  children, write status when it changed, post the plan's events;
+- on events of owned children, correct drift (re-apply) and refresh the owner's status;
+- when nodes, Tenants or other services change, retry services that are invalid or held back by quota.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import kopf
+from flotilla.operator.api import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
+from flotilla.operator.config import OperatorConfig
+from flotilla.operator.drift import drifted
+from flotilla.operator.kube import Kube
+from flotilla.operator.metrics import HEALTH, RECONCILE_DURATION, RECONCILE_ERRORS, RECONCILES
+from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL
+from flotilla.operator.quota import Grant, tenant_for_namespace
+from flotilla.operator.reconcile import Plan, World, plan, status_changed
+from flotilla.operator.status import QUOTA_ADMITTED, VALID
+
+log = logging.getLogger("flotilla.operator")
+
+ISVC = (GROUP, VERSION, INFERENCE_SERVICE.plural)
+MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
+Key = tuple[str, str]  # (namespace, InferenceService name)
+
+
+@dataclass
+class Runtime:
+    """Process-wide state the handlers share. Set by runner.py before kopf starts."""
+
+    config: OperatorConfig
+    kube: Kube
+    peering_name: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    grants: dict[Key, Grant] = field(default_factory=dict)  # quota ledger: what each service holds
+    grants_seeded: bool = False
+    written_status: dict[Key, dict] = field(
+        default_factory=dict
+    )  # last status we wrote, newer than the index
+    key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one sync at a time per service
+    gpu_types: frozenset[str] = frozenset()
+
+
+RUNTIME: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    if RUNTIME is None:
+        raise RuntimeError(
+            "flotilla.operator.handlers.RUNTIME is not set; start through `flotilla operator run`"
+        )
+    return RUNTIME
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lifecycle
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    # Handler progress lives in annotations: status belongs to the API (and its schema prunes kopf's).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # Events only for what we post ourselves and real warnings, not one per handler run.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 16
+    settings.watching.server_timeout = 300
+    settings.peering.name = runtime().peering_name or settings.peering.name
+    HEALTH.set(True)
+
+
+@kopf.on.cleanup()
+def stopping(**_) -> None:
+    HEALTH.set(False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Indexes (kopf fills them from watches before any handler runs)
+
+
+@kopf.index("", "v1", "nodes")
+def gpu_nodes(name: str, labels: dict, **_) -> dict:
+    gpu_type = labels.get(GPU_TYPE_LABEL)
+    return {gpu_type: name} if gpu_type else {}
+
+
+@kopf.index(GROUP, VERSION, TENANT.plural)
+def tenants(name: str, spec: dict, **_) -> dict:
+    return {name: dict(spec)}
+
+
+@kopf.index(*ISVC)
+def services(namespace: str, name: str, body: kopf.Body, **_) -> dict:
+    return {(namespace, name): _plain(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+def deployments(namespace: str, labels: dict, body: kopf.Body, **_) -> dict:
+    owner = labels.get(SERVICE_LABEL)
+    return {(namespace, owner): _plain(body)} if owner else {}
+
+
+@kopf.index("", "v1", "pods", labels=MANAGED)
+def pods(namespace: str, labels: dict, body: kopf.Body, **_) -> dict:
+    owner = labels.get(SERVICE_LABEL)
+    if not owner:
+        return {}
+    meta = {k: body.meta[k] for k in ("name", "deletionTimestamp") if body.meta.get(k)}
+    return {(namespace, owner): {"metadata": meta, **_pick(body, "status")}}
+
+
+def _pick(body: kopf.Body, *keys: str) -> dict:
+    return {k: _plain(body.get(k) or {}) for k in keys}
+
+
+def _plain(value):
+    """kopf bodies are read-only views; plan wants plain data (without managedFields' bulk)."""
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items() if k != "managedFields"}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _one(index: kopf.Index, key) -> dict | None:
+    store = index.get(key)
+    return next(iter(store), None) if store is not None else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reconcile
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _seed_grants(rt: Runtime, services: kopf.Index, tenants: kopf.Index) -> None:
+    """After a restart, the ledger starts from what services' status says they were granted."""
+    specs = _tenant_specs(tenants)
+    for key, store in services.items():
+        for obj in store:
+            spec, status = obj.get("spec") or {}, obj.get("status") or {}
+            resources = spec.get("resources") or {}
+            tenant = tenant_for_namespace(key[0], specs.items()) or ""
+            held = status.get("desiredReplicas", 0) * resources.get("gpus", 1)
+            rt.grants.setdefault(key, Grant(tenant, resources.get("gpuType"), held))
+    rt.grants_seeded = True
+
+
+def _tenant_specs(tenants: kopf.Index) -> dict[str, TenantSpec]:
+    specs = {}
+    for name, store in tenants.items():
+        for raw in store:
+            try:
+                specs[name] = TenantSpec.model_validate(raw)
+            except ValueError as exc:  # a Tenant the schema let through but we cannot read
+                log.warning("ignoring Tenant %s: %s", name, exc)
+    return specs
+
+
+def _plan(obj: dict, indexes: dict) -> tuple[Plan, Key]:
+    rt = runtime()
+    meta = obj["metadata"]
+    key = (meta["namespace"], meta["name"])
+    written = rt.written_status.get(key)
+    if written is not None:
+        # Our own last write may be newer than the watch has delivered; transition times come from it.
+        obj = {**obj, "status": written}
+    with rt.lock:
+        if not rt.grants_seeded:
+            _seed_grants(rt, indexes["services"], indexes["tenants"])
+        world = World(
+            config=rt.config,
+            now=_now(),
+            gpu_types=set(indexes["gpu_nodes"].keys()),
+            tenants=_tenant_specs(indexes["tenants"]),
+            other_grants=[g for k, g in rt.grants.items() if k != key],
+            deployment=_one(indexes["deployments"], key),
+            pods=list(indexes["pods"].get(key, [])),
+            path_exists=os.path.isdir if rt.config.check_local_model_paths else None,
+        )
+        result = plan(obj, world)
+        if result.grant is not None:
+            rt.grants[key] = result.grant
+    return result, key
+
+
+def _write(obj: dict, result: Plan, key: Key, *, apply: Iterable[dict]) -> None:
+    rt = runtime()
+    for child in apply:
+        rt.kube.apply(child)
+    current = rt.written_status.get(key, obj.get("status"))
+    if status_changed(current, result.status):
+        rt.kube.patch_status(key[0], key[1], result.status)
+        rt.written_status[key] = result.status
+    for event in result.events:
+        kopf.event(obj, type=event.type, reason=event.reason, message=event.message[:1000])
+
+
+def _key_lock(key: Key) -> threading.Lock:
+    rt = runtime()
+    with rt.lock:
+        return rt.key_locks.setdefault(key, threading.Lock())
+
+
+def _to_apply(result: Plan, mode: str, observed: dict | None, indexed_deployment: dict | None) -> list[dict]:
+    """Which desired children to send. Applying is idempotent; this only saves calls."""
+    if mode == "full":
+        return result.children
+    if mode == "drift":  # one child changed (or vanished): re-apply it if it no longer matches
+        assert observed is not None
+        return [c for c in result.children if c["kind"] == observed.get("kind") and drifted(observed, c)]
+    # "retry": the world changed; the Deployment carries what a retry can change (replicas, tenant label)
+    if indexed_deployment is None:
+        return result.children
+    return [c for c in result.children if c["kind"] == "Deployment" and drifted(indexed_deployment, c)]
+
+
+def sync(obj: dict, indexes: dict, trigger: str, *, mode: str = "full", observed: dict | None = None) -> Plan:
+    """Plan one service and carry the plan out (see _to_apply for the modes)."""
+    meta = obj["metadata"]
+    key = (meta["namespace"], meta["name"])
+    RECONCILES.labels(trigger).inc()
+    with _key_lock(key), RECONCILE_DURATION.labels(trigger).time():
+        try:
+            result, key = _plan(obj, indexes)
+            to_apply = _to_apply(result, mode, observed, _one(indexes["deployments"], key))
+            if mode == "drift" and to_apply:
+                log.info(
+                    "correcting drift of %s %s/%s: %s",
+                    observed.get("kind"),
+                    *key,
+                    drifted(observed, to_apply[0]),
+                )
+            _write(obj, result, key, apply=to_apply)
+            return result
+        except Exception:
+            RECONCILE_ERRORS.labels(trigger).inc()
+            raise
+
+
+@kopf.on.resume(*ISVC)
+@kopf.on.create(*ISVC)
+@kopf.on.update(*ISVC)
+def reconcile(body: kopf.Body, **kwargs) -> None:
+    try:
+        sync(_plain(body), _indexes(kwargs), "spec")
+    except kopf.PermanentError:
+        raise
+    except Exception as exc:
+        raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=5) from exc
+
+
+def _indexes(kwargs: dict) -> dict:
+    return {name: kwargs[name] for name in ("gpu_nodes", "tenants", "services", "deployments", "pods")}
+
+
+@kopf.on.event(*ISVC)
+def service_event(event: dict, namespace: str, name: str, **kwargs) -> None:
+    if event.get("type") != "DELETED":
+        return
+    rt = runtime()
+    with rt.lock:
+        freed = rt.grants.pop((namespace, name), None)
+        rt.written_status.pop((namespace, name), None)
+    if freed and freed.gpus:
+        _retry(kwargs, lambda obj, cond: cond.get(QUOTA_ADMITTED) == "False", "quota-freed")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Children: drift and status
+
+
+def _owner_obj(namespace: str, labels: dict, kwargs: dict) -> dict | None:
+    owner = labels.get(SERVICE_LABEL)
+    return _one(kwargs["services"], (namespace, owner)) if owner else None
+
+
+def _child_event(event: dict, namespace: str, labels: dict, kwargs: dict, *, check_drift: bool) -> None:
+    if event.get("type") == "DELETED":
+        # A deleted child of a live owner is re-created; with the owner gone, GC did it and it stays gone.
+        check_drift = True
+    obj = _owner_obj(namespace, labels, kwargs)
+    if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
+        return
+    observed = _plain(event.get("object") or {})
+    if event.get("type") == "DELETED":
+        observed = {"kind": observed.get("kind")}
+    try:
+        if check_drift:
+            sync(obj, _indexes(kwargs), "child", mode="drift", observed=observed)
+        else:
+            sync(obj, _indexes(kwargs), "child", mode="drift", observed={})
+    except Exception:
+        log.exception("refreshing %s/%s after a child event failed", namespace, labels.get(SERVICE_LABEL))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+def deployment_event(event: dict, namespace: str, labels: dict, **kwargs) -> None:
+    _child_event(event, namespace, labels, kwargs, check_drift=True)
+
+
+@kopf.on.event("", "v1", "services", labels=MANAGED)
+def k8s_service_event(event: dict, namespace: str, labels: dict, **kwargs) -> None:
+    _child_event(event, namespace, labels, kwargs, check_drift=True)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+def pdb_event(event: dict, namespace: str, labels: dict, **kwargs) -> None:
+    _child_event(event, namespace, labels, kwargs, check_drift=True)
+
+
+@kopf.on.event("", "v1", "pods", labels=MANAGED)
+def pod_event(event: dict, namespace: str, labels: dict, **kwargs) -> None:
+    _child_event(event, namespace, labels, kwargs, check_drift=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The world changed: retry the services it may unblock
+
+
+def _conditions(obj: dict) -> dict[str, str]:
+    return {c.get("type"): c.get("status") for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+def _retry(kwargs: dict, wanted, trigger: str) -> None:
+    indexes = _indexes(kwargs)
+    for store in list(kwargs["services"].values()):
+        for obj in store:
+            if wanted(obj, _conditions(obj)):
+                try:
+                    sync(obj, indexes, trigger, mode="retry")
+                except Exception:
+                    log.exception(
+                        "retrying %s/%s failed", obj["metadata"]["namespace"], obj["metadata"]["name"]
+                    )
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_event(gpu_nodes: kopf.Index, **kwargs) -> None:
+    rt = runtime()
+    types = frozenset(gpu_nodes.keys())
+    if types == rt.gpu_types:
+        return
+    rt.gpu_types = types
+    _retry({**kwargs, "gpu_nodes": gpu_nodes}, lambda obj, cond: cond.get(VALID) == "False", "nodes-changed")
+
+
+@kopf.on.event(GROUP, VERSION, TENANT.plural)
+def tenant_event(name: str, spec: dict, **kwargs) -> None:
+    # Quota or namespaces changed: services in its namespaces (or charged to it) are re-checked.
+    rt = runtime()
+    namespaces = set((spec or {}).get("namespaces") or [])
+    charged = {k for k, g in rt.grants.items() if g.tenant == name}
+
+    def affected(obj: dict, cond: dict) -> bool:
+        meta = obj["metadata"]
+        in_scope = meta["namespace"] in namespaces or (meta["namespace"], meta["name"]) in charged
+        return in_scope and cond.get(VALID) != "False"
+
+    _retry(kwargs, affected, "tenant-changed")

@@ -1,0 +1,55 @@
+"""`flotilla operator run`: configure logging and metrics, then hand the process to kopf."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from flotilla.operator.config import OperatorConfig
+
+log = logging.getLogger("flotilla.operator")
+
+
+def run_operator(
+    config: OperatorConfig,
+    *,
+    kubeconfig: Path | None,
+    namespaces: Sequence[str] | None,
+    metrics_host: str,
+    metrics_port: int,
+    liveness_port: int,
+    peering: str | None,
+    standalone: bool,
+    verbose: bool,
+) -> int:
+    import kopf
+
+    if kubeconfig is not None:
+        # kopf's own login reads $KUBECONFIG; the handlers' client gets the same file explicitly.
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+
+    # Structured (JSON) logs, one object per line.
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON)
+
+    from flotilla.operator import handlers  # registers the handlers with kopf
+    from flotilla.operator.kube import Kube
+    from flotilla.operator.metrics import serve
+    from flotilla.operator.rbac import PEERING
+
+    # Peering named `flotilla` when the kopf.dev CRD is installed (kopf's auto-detection); --peering NAME
+    # makes it mandatory, --standalone turns it off.
+    handlers.RUNTIME = handlers.Runtime(config=config, kube=Kube(kubeconfig), peering_name=peering or PEERING)
+    if metrics_port:
+        server = serve(metrics_host, metrics_port)
+        log.info("serving /metrics and /healthz on http://%s:%d", metrics_host, server.server_address[1])
+
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=list(namespaces or ()),
+        standalone=True if standalone else None,
+        peering_name=peering,
+        liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz" if liveness_port else None,
+    )
+    return 0

@@ -1,0 +1,91 @@
+"""One reconcile as a pure function: children, status and events from an object and a World."""
+
+from __future__ import annotations
+
+from flotilla.operator.api import TenantSpec
+from flotilla.operator.config import OperatorConfig
+from flotilla.operator.quota import Grant
+from flotilla.operator.reconcile import World, plan, status_changed
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def _obj(spec, status=None, generation=1):
+    return {
+        "metadata": {"name": "chat", "namespace": "team-a", "uid": "u-1", "generation": generation},
+        "spec": spec,
+        "status": status or {},
+    }
+
+
+def _world(**kw):
+    base = dict(
+        config=OperatorConfig(),
+        now=NOW,
+        gpu_types={"h100"},
+        tenants={"team-a": TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 4})},
+        other_grants=[],
+        deployment=None,
+        pods=[],
+        path_exists=lambda _p: True,
+    )
+    base.update(kw)
+    return World(**base)
+
+
+SPEC = {"model": {"uri": "file:///models/tiny"}, "resources": {"gpus": 1, "gpuType": "h100"}, "replicas": 2}
+
+
+def _conds(p):
+    return {c["type"]: c for c in p.status["conditions"]}
+
+
+def test_valid_service_gets_children_and_a_grant():
+    p = plan(_obj(SPEC), _world())
+    assert [c["kind"] for c in p.children] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert p.children[0]["spec"]["replicas"] == 2
+    assert p.grant == Grant("team-a", "h100", 2)
+    assert _conds(p)["QuotaAdmitted"]["status"] == "True"
+    assert p.events == []
+
+
+def test_invalid_service_gets_nothing_and_one_warning():
+    spec = {**SPEC, "resources": {"gpus": 1, "gpuType": "a100"}}
+    p = plan(_obj(spec), _world())
+    assert p.children == [] and p.grant is None
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "UnknownGPUType")]
+    # The next reconcile of the same object does not repeat the warning.
+    again = plan(_obj(spec, status=p.status), _world())
+    assert again.events == []
+
+
+def test_quota_holds_back_and_warns():
+    p = plan(_obj({**SPEC, "replicas": 3}), _world(other_grants=[Grant("team-a", "h100", 2)]))
+    assert p.children[0]["spec"]["replicas"] == 2
+    c = _conds(p)
+    assert c["QuotaAdmitted"]["status"] == "False"
+    assert "tenant team-a" in c["QuotaAdmitted"]["message"]
+    assert ("Warning", "QuotaExceeded") in [(e.type, e.reason) for e in p.events]
+
+
+def test_other_tenants_do_not_count():
+    p = plan(_obj(SPEC), _world(other_grants=[Grant("team-b", "h100", 4)]))
+    assert _conds(p)["QuotaAdmitted"]["status"] == "True"
+
+
+def test_ready_deployment_makes_ready_status_and_a_normal_event():
+    dep = {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": 2},
+        "status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1},
+    }
+    p = plan(_obj(SPEC), _world(deployment=dep))
+    assert _conds(p)["Ready"]["status"] == "True"
+    assert [(e.type, e.reason) for e in p.events] == [("Normal", "Ready")]
+
+
+def test_status_changed_ignores_transition_times():
+    p = plan(_obj(SPEC), _world())
+    later = plan(_obj(SPEC), _world(now="2026-01-02T00:00:00Z"))
+    assert not status_changed(p.status, later.status)
+    assert status_changed({}, p.status)
