@@ -93,16 +93,24 @@ class ModelConfig:
                 raise fail("hidden_size", f"{hidden} is not divisible by num_attention_heads={heads}")
             head_dim = hidden // heads
 
-        rope_scaling = raw.get("rope_scaling")
+        # transformers 5 writes `rope_parameters` (theta included); older versions `rope_scaling`.
+        rope_field = "rope_parameters" if isinstance(raw.get("rope_parameters"), dict) else "rope_scaling"
+        rope_scaling = raw.get(rope_field)
+        rope_theta = need("rope_theta", float, 10000.0)
+        if rope_field == "rope_parameters":
+            theta = rope_scaling.get("rope_theta", rope_theta)
+            if not isinstance(theta, int | float) or theta <= 0:
+                raise fail("rope_parameters", f"'rope_theta' must be a positive number, got {theta!r}")
+            rope_theta = float(theta)
         if rope_scaling is not None:
             if not isinstance(rope_scaling, dict):
-                raise fail("rope_scaling", f"expected an object, got {rope_scaling!r}")
+                raise fail(rope_field, f"expected an object, got {rope_scaling!r}")
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind in (None, "default"):
                 rope_scaling = None
             elif kind == "linear":
                 if not isinstance(rope_scaling.get("factor"), int | float):
-                    raise fail("rope_scaling", "linear scaling needs a numeric 'factor'")
+                    raise fail(rope_field, "linear scaling needs a numeric 'factor'")
             elif kind == "llama3":
                 for key in (
                     "factor",
@@ -111,9 +119,9 @@ class ModelConfig:
                     "original_max_position_embeddings",
                 ):
                     if not isinstance(rope_scaling.get(key), int | float):
-                        raise fail("rope_scaling", f"llama3 scaling needs a numeric {key!r}")
+                        raise fail(rope_field, f"llama3 scaling needs a numeric {key!r}")
             else:
-                raise fail("rope_scaling", f"type {kind!r} is not supported (supported: linear, llama3)")
+                raise fail(rope_field, f"type {kind!r} is not supported (supported: linear, llama3)")
             if rope_scaling is not None:
                 rope_scaling = dict(rope_scaling, rope_type=kind)
 
@@ -134,7 +142,7 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=need("rms_norm_eps", float, 1e-6),
-            rope_theta=need("rope_theta", float, 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=need("max_position_embeddings", int, 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

@@ -208,6 +208,7 @@ class LLMEngine:
         if finished:
             output.text = text
             output.token_ids = list(request.output_token_ids)
+            output.all_logprobs = state.logprobs
             self._states.pop(request.request_id, None)
             self.runner.sampler.forget(request.request_id)
             self._count_finish(request.finish_reason)

@@ -31,6 +31,7 @@ class RequestOutput:
     # Filled in when finished: the whole generated text and tokens (stop string removed).
     text: str | None = None
     token_ids: list[int] | None = None
+    all_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

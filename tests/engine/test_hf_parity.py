@@ -1,0 +1,109 @@
+"""The engine's greedy output is token-for-token what transformers generates, and its logprobs are
+within 1e-4, for every supported architecture, with prefix-cache hits, with 7-token prefill chunks and
+under preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from flotilla.engine.config import EngineConfig
+from flotilla.engine.llm_engine import LLMEngine
+from flotilla.engine.sampling_params import SamplingParams
+
+ATOL = 1e-4
+MAX_TOKENS = 10
+TOP = 3
+
+
+def prompts(seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, 258) for _ in range(shared_prefix)]
+    lengths = [3, 17, 40, 9, 33, 1]
+    return [[0] + prefix + [rng.randrange(2, 258) for _ in range(n)] for n in lengths]
+
+
+def hf_reference(model, prompt_ids: list[int]):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+    return tokens, logprobs
+
+
+def make_engine(folder, **overrides) -> LLMEngine:
+    options = dict(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_num_seqs=8,
+        show_progress=False,
+        kv_cache_memory=1 << 22,
+    )
+    options.update(overrides)
+    return LLMEngine(EngineConfig(**options))  # type: ignore[arg-type]
+
+
+def check_against_hf(engine: LLMEngine, model, batch: list[list[int]]):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    results = engine.generate(batch, params, use_tqdm=False)
+    for prompt, result in zip(batch, results, strict=True):
+        ref_tokens, ref_logprobs = hf_reference(model, prompt)
+        assert result.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
+        assert result.finish_reason == "length"
+        assert len(result.all_logprobs) == MAX_TOKENS
+        worst = 0.0
+        for step, (ours, ref) in enumerate(zip(result.all_logprobs, ref_logprobs, strict=True)):
+            assert ours.token_id == ref_tokens[step]
+            worst = max(worst, abs(ours.logprob - float(ref[ours.token_id])))
+            for token, lp in ours.top:
+                worst = max(worst, abs(lp - float(ref[token])))
+            ref_top = ref.topk(TOP).indices.tolist()
+            assert [t for t, _ in ours.top] == ref_top
+        assert worst < ATOL, f"logprobs differ by {worst}"
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "llama-mqa-tied-headdim", "qwen2-bias-tied", "mistral"])
+def test_greedy_matches_transformers(hf_models, arch):
+    folder, model = hf_models(arch)
+    check_against_hf(make_engine(folder), model, prompts())
+
+
+def test_matches_with_prefix_cache_hits(hf_models):
+    folder, model = hf_models("qwen2-bias-tied")
+    engine = make_engine(folder)
+    batch = prompts(seed=1, shared_prefix=21)
+    check_against_hf(engine, model, batch[:1])  # warms the cache with the shared prefix
+    results = check_against_hf(engine, model, batch)
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert all(r.num_cached_tokens >= 20 for r in results)
+
+
+def test_matches_with_seven_token_prefill_chunks(hf_models):
+    folder, model = hf_models("llama-gqa")
+    engine = make_engine(folder, max_num_batched_tokens=7)
+    check_against_hf(engine, model, prompts(seed=2))
+
+
+def test_matches_under_preemption(hf_models):
+    folder, model = hf_models("llama-mqa-tied-headdim")
+    cfg = model.config
+    bytes_per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 4
+    # 16 blocks of 4 tokens: far less than the batch needs at once (it needs about 40).
+    engine = make_engine(folder, kv_cache_memory=16 * bytes_per_block, enable_prefix_caching=False)
+    assert engine.runner.num_blocks == 16
+    check_against_hf(engine, model, prompts(seed=3))
+    assert engine.stats().num_preemptions > 0
