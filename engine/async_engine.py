@@ -52,18 +52,25 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop died; None while it is alive. (The server's /health reads it.)"""
+        return self._error
+
     async def generate(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs (new tokens and text each step) until it finishes."""
+        """Streams a request's outputs (new tokens and text each step) until it finishes.
+        arrival_time: when the request reached the server (TTFT counts from it); default now."""
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error!r}")
         self.start()
-        request = self.engine.create_request(prompt, params, request_id, priority)
+        request = self.engine.create_request(prompt, params, request_id, priority, arrival_time)
         rid = request.request_id
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -161,9 +161,8 @@ def init_model(preset_name: str, folder: str | Path, seed: int = 0) -> Path:
         _flotilla_note=RANDOM_WEIGHTS_NOTE,
     )
     tensors = random_weights(config, seed)
-    save_file(
-        tensors, str(folder / "model.safetensors"), metadata={"format": "pt", "note": RANDOM_WEIGHTS_NOTE}
-    )
+    # A single metadata key: safetensors writes several in a random order, which breaks byte-equality.
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tok.save(str(folder / "tokenizer.json"))
     special = preset["special_tokens"]

@@ -80,3 +80,32 @@ def hf_models(tmp_path_factory):
         return cache[arch_key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(hf_models):
+    """An LLMEngine on the random tiny Qwen2 model (byte-level tokenizer), shared by output tests."""
+    from flotilla.engine.config import EngineConfig
+    from flotilla.engine.llm_engine import LLMEngine
+
+    folder, _ = hf_models("qwen2-bias-tied")
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory=1 << 20,
+            show_progress=False,
+        )
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_preset(tmp_path_factory):
+    """`flotilla model init --preset tiny-qwen2`, run once through the CLI."""
+    from flotilla.cli import main
+
+    folder = tmp_path_factory.mktemp("preset") / "tiny-qwen2"
+    assert main(["model", "init", "--preset", "tiny-qwen2", str(folder)]) == 0
+    return folder

@@ -1,0 +1,76 @@
+"""The engine's command-line flags, shared by `flotilla engine serve` and the benchmarks, and their
+mapping onto EngineConfig. Import-light: no torch."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from flotilla.engine.config import EngineConfig
+
+_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '1e9' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1073741824, 512MiB, 4GiB)")
+    value = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return int(value)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig(model="")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", required=True, help="a local Hugging Face model folder")
+    group.add_argument("--dtype", default=defaults.dtype, help="auto, bfloat16, float16 or float32")
+    group.add_argument("--device", default=defaults.device, help="auto, cpu or cuda[:N]")
+    group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    group.add_argument(
+        "--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most requests in one batch"
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="token budget of one step (prefill chunks included)",
+    )
+    group.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    group.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, "
+        "--gpu-memory-utilization of free memory on CUDA)",
+    )
+    group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    group.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn off prefix caching of KV blocks"
+    )
+    group.add_argument(
+        "--attention-backend", default=defaults.attention_backend, choices=["auto", "torch", "triton"]
+    )
+    group.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def engine_config_from_args(args: argparse.Namespace, show_progress: bool = False) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        show_progress=show_progress,
+    )
