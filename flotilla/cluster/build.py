@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import subprocess
@@ -74,7 +75,8 @@ def _build_one(target: Target, step: str, log) -> None:
     if shutil.which("go") is None:
         raise BuildError(f"{step}: the `go` command is not on PATH; install Go 1.26 or newer")
     target.out_dir.mkdir(parents=True, exist_ok=True)
-    partial = target.path.with_suffix(".partial")
+    # A per-process name, so two builds running at once never move each other's output.
+    partial = target.out_dir / f".{target.name}.{os.getpid()}.partial"
     cmd = [
         "go",
         "build",
@@ -102,7 +104,7 @@ def _build_one(target: Target, step: str, log) -> None:
         raise BuildError(
             f"{step} failed: go build {target.package} (in {target.module_dir}) exited {proc.returncode}\n{detail}"
         )
-    partial.rename(target.path)
+    os.replace(partial, target.path)
     log(f"  {step} {target.name}: done in {time.monotonic() - started:.0f}s -> {target.path}")
 
 

@@ -133,7 +133,10 @@ def _print_status(state_dir: Path) -> int:
         print(result.stdout.rstrip() or result.stderr.rstrip())
     print()
     print(f"export KUBECONFIG={cfg.kubeconfig}")
-    print("stop it with: flotilla cluster down   (add --purge to wipe its state)")
+    from flotilla.cluster.paths import default_state_dir
+
+    where = "" if state_dir == default_state_dir() else f" --state-dir {state_dir}"
+    print(f"stop it with: flotilla cluster down{where}   (add --purge to wipe its state)")
     return 0
 
 

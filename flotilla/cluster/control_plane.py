@@ -8,13 +8,14 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import httpx
 
 from flotilla.cluster import pki
 from flotilla.cluster.build import targets
+from flotilla.cluster.kubeclient import tls_context
 from flotilla.cluster.paths import default_state_dir, etcd_bin_dir, kubernetes_bin_dir
 from flotilla.cluster.processes import ProcessTable, stop_all
 
@@ -31,8 +32,6 @@ class ClusterConfig:
     apiserver_port: int = 6443
     etcd_port: int = 2379
     etcd_peer_port: int = 2380
-    controller_manager_port: int = 10257
-    scheduler_port: int = 10259
     nodes: int = 2
     gpus_per_node: int = 8
     gpu_type: str = "h100"
@@ -60,8 +59,6 @@ class ClusterConfig:
             "etcd": self.etcd_port,
             "etcd peer": self.etcd_peer_port,
             "kube-apiserver": self.apiserver_port,
-            "kube-controller-manager": self.controller_manager_port,
-            "kube-scheduler": self.scheduler_port,
         }
 
     def save(self) -> None:
@@ -76,7 +73,8 @@ class ClusterConfig:
         except (OSError, ValueError):
             return None
         data["state_dir"] = Path(data["state_dir"])
-        return cls(**data)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "node-agent")
@@ -150,8 +148,7 @@ def _argv(cfg: ClusterConfig, name: str) -> list[str]:
             f"--authentication-kubeconfig={kubeconfig}",
             f"--authorization-kubeconfig={kubeconfig}",
             "--leader-elect=false",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={cfg.controller_manager_port}",
+            "--secure-port=0",  # nothing scrapes it locally; 0 lets several clusters share a host
             "--use-service-account-credentials=true",
             f"--service-account-private-key-file={pki_dir / 'sa.key'}",
             f"--root-ca-file={pki_dir / 'ca.crt'}",
@@ -166,8 +163,7 @@ def _argv(cfg: ClusterConfig, name: str) -> list[str]:
             f"--authentication-kubeconfig={kubeconfig}",
             f"--authorization-kubeconfig={kubeconfig}",
             "--leader-elect=false",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={cfg.scheduler_port}",
+            "--secure-port=0",
         ]
     if name == "node-agent":
         argv = [
@@ -198,12 +194,8 @@ def _write_kubeconfigs(cfg: ClusterConfig) -> None:
 
 def _admin_http(cfg: ClusterConfig) -> httpx.Client:
     pki_dir = cfg.pki_dir
-    return httpx.Client(
-        base_url=cfg.server,
-        verify=str(pki_dir / "ca.crt"),
-        cert=(str(pki_dir / "admin.crt"), str(pki_dir / "admin.key")),
-        timeout=5.0,
-    )
+    context = tls_context(str(pki_dir / "ca.crt"), str(pki_dir / "admin.crt"), str(pki_dir / "admin.key"))
+    return httpx.Client(base_url=cfg.server, verify=context, timeout=5.0)
 
 
 def _wait_ready(cfg: ClusterConfig, table: ProcessTable, timeout: float, log) -> None:
@@ -236,18 +228,13 @@ def up(cfg: ClusterConfig, log=None, timeout: float = 120.0) -> ClusterConfig:
         cfg = previous
     for name in COMPONENTS[:-1]:
         _binary(name)
-    for name in COMPONENTS:
-        if table.running(name) is None:
-            port = {
-                "etcd": cfg.etcd_port,
-                "kube-apiserver": cfg.apiserver_port,
-                "kube-controller-manager": cfg.controller_manager_port,
-                "kube-scheduler": cfg.scheduler_port,
-            }.get(name)
-            if port is not None and not _port_free(port):
-                raise ClusterError(
-                    f"port {port} for {name} on 127.0.0.1 is already taken; stop what holds it or pick another port"
-                )
+    listening = {"etcd": (cfg.etcd_port, cfg.etcd_peer_port), "kube-apiserver": (cfg.apiserver_port,)}
+    for name, ports in listening.items():
+        taken = [port for port in ports if table.running(name) is None and not _port_free(port)]
+        if taken:
+            raise ClusterError(
+                f"port {taken[0]} for {name} on 127.0.0.1 is already taken; stop what holds it or pick another port"
+            )
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     pki.ensure_pki(cfg.pki_dir)
     _write_kubeconfigs(cfg)

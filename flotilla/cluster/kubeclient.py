@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,14 @@ def _materialize(entry: dict, key: str, folder: Path) -> str | None:
     return str(path)
 
 
+def tls_context(ca: str | None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    """httpx takes client certificates only through an SSLContext."""
+    context = ssl.create_default_context(cafile=ca)
+    if cert:
+        context.load_cert_chain(cert, key)
+    return context
+
+
 class KubeClient:
     def __init__(self, kubeconfig: Path, timeout: float = 30.0):
         config = yaml.safe_load(Path(kubeconfig).read_text())
@@ -55,8 +64,7 @@ class KubeClient:
         self.server = cluster["server"]
         self.http = httpx.Client(
             base_url=self.server,
-            verify=ca or True,
-            cert=(cert, key) if cert else None,
+            verify=tls_context(ca, cert, key),
             headers=headers,
             timeout=timeout,
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),

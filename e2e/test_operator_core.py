@@ -1,0 +1,442 @@
+"""The operator on the real local cluster: CRDs, the operator as a subprocess under its least-privilege
+ServiceAccount, and InferenceServices turned into Deployments, Services, PDBs, pods and status.
+
+The engine server (`flotilla engine serve`) is not built yet, so engine pods start and exit: these tests
+assert on objects, status and conditions that do not need a live engine (and on the crash showing up as
+Degraded). Ready=True, completions through a pod IP and rollouts without failed requests need the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flotilla.cluster.testing import ClusterHandle, wait_for
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[1]
+OPERATOR_NS = "flotilla-system"
+OPERATOR_SA = "flotilla-operator"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class OperatorProcess:
+    """`flotilla operator run` as a subprocess, authenticated as the operator's ServiceAccount."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path):
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.port = _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        log = self.log_path.open("a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(self.kubeconfig),
+             "--metrics-port", str(self.port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.log_path.parent,
+        )  # fmt: skip
+        wait_for(
+            lambda: self.get("/healthz")[0] == 200, 60, f"the operator's /healthz (log: {self.log_path})"
+        )
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def get(self, path: str) -> tuple[int, str]:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"the operator exited with {self.proc.returncode}; see {self.log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as rsp:
+                return rsp.status, rsp.read().decode()
+        except OSError as exc:
+            return 0, str(exc)
+
+
+def _service_account_kubeconfig(cluster: ClusterHandle, path: Path) -> Path:
+    token = cluster.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=2h").stdout.strip()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "local",
+                "cluster": {
+                    "server": cluster.config.server,
+                    "certificate-authority": str(cluster.config.pki_dir / "ca.crt"),
+                },
+            }
+        ],
+        "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": OPERATOR_SA}}],
+        "current-context": "operator",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: ClusterHandle, tmp_path_factory) -> OperatorProcess:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
+    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "operator-rbac.yaml"))
+    workdir = tmp_path_factory.mktemp("operator")
+    kubeconfig = _service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
+    proc = OperatorProcess(kubeconfig, workdir / "operator.log")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    # A path that exists on the (shared) filesystem; the engine is not started on it in these tests.
+    path = tmp_path / "tiny-model"
+    path.mkdir()
+    return path
+
+
+def _isvc(name: str, model: Path | str, *, replicas: int = 1, **spec) -> str:
+    uri = model if isinstance(model, str) else f"file://{model}"
+    body = {
+        "model": {"uri": uri, "servedName": "tiny"},
+        "resources": {"gpus": 1, "gpuType": "h100"},
+        "replicas": replicas,
+        **spec,
+    }
+    return yaml.safe_dump(
+        {
+            "apiVersion": "flotilla.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name},
+            "spec": body,
+        }
+    )
+
+
+def _get(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> dict | None:
+    result = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def _conditions(obj: dict | None) -> dict[str, dict]:
+    return {c["type"]: c for c in ((obj or {}).get("status") or {}).get("conditions") or []}
+
+
+def _condition(cluster, namespace, name, type_, status):
+    def check():
+        cond = _conditions(_get(cluster, "fisvc", name, namespace)).get(type_)
+        return cond if cond and cond["status"] == status else None
+
+    return wait_for(check, 90, f"{name}: condition {type_}={status}")
+
+
+def _pods(cluster: ClusterHandle, namespace: str, name: str) -> list[dict]:
+    items = cluster.get_json("pods", "-n", namespace, "-l", f"flotilla.dev/inferenceservice={name}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def _events(cluster: ClusterHandle, namespace: str, name: str) -> list[dict]:
+    return cluster.get_json("events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")[
+        "items"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_schema_rejects_malformed_input_naming_the_field(cluster, operator, namespace):
+    cases = {
+        "spec.replicas": {"replicas": -1},
+        "spec.engine.dtype": {"engine": {"dtype": "int3"}},
+        "spec.resources.gpus": {"resources": {"gpus": 99, "gpuType": "h100"}},
+        "replicaz": {"replicaz": 3},  # unknown fields are refused by kubectl's strict field validation
+    }
+    for field, override in cases.items():
+        replicas = override.pop("replicas", 1)
+        manifest = _isvc("bad", "file:///models/x", replicas=replicas, **override)
+        result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest, check=False)
+        assert result.returncode != 0, f"{field}: {result.stdout}"
+        assert field in result.stderr, result.stderr
+
+    missing_model = "apiVersion: flotilla.dev/v1alpha1\nkind: InferenceService\nmetadata: {name: bad}\nspec: {replicas: 1}\n"
+    result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=missing_model, check=False)
+    assert result.returncode != 0 and "spec.model" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("uri", "override", "reason", "words"),
+    [
+        ("s3://bucket/model", {}, "InvalidModelUri", "unsupported uri scheme 's3'"),
+        (
+            "file:///nonexistent/flotilla-model",
+            {},
+            "ModelNotFound",
+            "/nonexistent/flotilla-model does not exist",
+        ),
+        (
+            None,
+            {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+            "InvalidReplicaRange",
+            "minReplicas (5)",
+        ),
+        (
+            None,
+            {"resources": {"gpus": 1, "gpuType": "a100"}},
+            "UnknownGPUType",
+            "no node has GPU type 'a100'",
+        ),
+    ],
+    ids=["scheme", "missing-path", "min-over-max", "gpu-type"],
+)
+def test_wrong_meaning_is_invalid_with_a_warning_and_nothing_created(
+    cluster, operator, namespace, model_dir, uri, override, reason, words
+):
+    cluster.apply(_isvc("wrong", uri or model_dir, **override), namespace)
+    valid = _condition(cluster, namespace, "wrong", "Valid", "False")
+    assert valid["reason"] == reason and words in valid["message"], valid
+    status = _get(cluster, "fisvc", "wrong", namespace)["status"]
+    assert _conditions({"status": status})["Ready"]["status"] == "False"
+    assert words in status["message"]
+    warning = wait_for(
+        lambda: [
+            e
+            for e in _events(cluster, namespace, "wrong")
+            if e["type"] == "Warning" and e["reason"] == reason
+        ],
+        30,
+        f"a Warning event {reason}",
+    )
+    assert words in warning[0]["message"]
+    assert _get(cluster, "deployment", "wrong", namespace) is None
+    assert _get(cluster, "service", "wrong", namespace) is None
+
+
+def test_service_gets_owned_children_pods_and_status(cluster, operator, namespace, model_dir):
+    cluster.apply(_isvc("chat", model_dir, replicas=2, engine={"maxNumSeqs": 8}), namespace)
+    dep = wait_for(lambda: _get(cluster, "deployment", "chat", namespace), 60, "the Deployment")
+    isvc = _get(cluster, "fisvc", "chat", namespace)
+    for kind in ("deployment", "service", "poddisruptionbudget"):
+        obj = wait_for(lambda kind=kind: _get(cluster, kind, "chat", namespace), 60, kind)
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == isvc["metadata"]["uid"] and ref["controller"] is True
+        managers = {m["manager"] for m in obj["metadata"]["managedFields"] if m["operation"] == "Apply"}
+        assert managers == {"flotilla"}
+
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pods = wait_for(
+        lambda: len(_pods(cluster, namespace, "chat")) == 2 and _pods(cluster, namespace, "chat"),
+        60,
+        "2 pods",
+    )
+    container = pods[0]["spec"]["containers"][0]
+    assert container["command"][:3] == ["flotilla", "engine", "serve"]
+    assert "--max-num-seqs" in container["command"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pods[0]["spec"]["nodeSelector"] == {"flotilla.dev/gpu-type": "h100"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["FLOTILLA_SERVICE"] == "chat" and env["FLOTILLA_TENANT"] == ""
+
+    _condition(cluster, namespace, "chat", "Valid", "True")
+    admitted = _condition(cluster, namespace, "chat", "QuotaAdmitted", "True")
+    assert admitted["reason"] == "NoTenant"
+    status = wait_for(
+        lambda: (s := _get(cluster, "fisvc", "chat", namespace)["status"]).get("replicas") == 2 and s,
+        60,
+        "status.replicas",
+    )
+    assert status["desiredReplicas"] == 2 and status["gpus"] == 2
+    assert status["selector"] == "flotilla.dev/inferenceservice=chat"
+    # No engine server yet: the pods' processes exit, and status says so rather than hiding it.
+    degraded = _condition(cluster, namespace, "chat", "Degraded", "True")
+    assert "pod chat-" in degraded["message"]
+    assert _conditions(_get(cluster, "fisvc", "chat", namespace))["Ready"]["status"] == "False"
+
+    table = cluster.kubectl("get", "fisvc", "chat", "-n", namespace).stdout
+    for column in ("READY", "REPLICAS", "GPUS", "MODEL", "AGE"):
+        assert column in table
+
+
+def test_kubectl_scale_changes_the_pods(cluster, operator, namespace, model_dir):
+    cluster.apply(_isvc("scaled", model_dir, replicas=1), namespace)
+    wait_for(lambda: len(_pods(cluster, namespace, "scaled")) == 1, 60, "1 pod")
+    cluster.kubectl("scale", "fisvc", "scaled", "-n", namespace, "--replicas", "3")
+    wait_for(lambda: len(_pods(cluster, namespace, "scaled")) == 3, 90, "3 pods after kubectl scale")
+    scale = json.loads(
+        cluster.kubectl(
+            "get",
+            "--raw",
+            f"/apis/flotilla.dev/v1alpha1/namespaces/{namespace}/inferenceservices/scaled/scale",
+        ).stdout
+    )
+    assert scale["spec"]["replicas"] == 3
+    wait_for(lambda: scale_status(cluster, namespace) == 3, 60, "the scale subresource's status.replicas")
+    cluster.kubectl("scale", "fisvc", "scaled", "-n", namespace, "--replicas", "1")
+    wait_for(lambda: len(_pods(cluster, namespace, "scaled")) == 1, 90, "1 pod after scaling down")
+
+
+def scale_status(cluster, namespace) -> int:
+    raw = cluster.kubectl(
+        "get", "--raw", f"/apis/flotilla.dev/v1alpha1/namespaces/{namespace}/inferenceservices/scaled/scale"
+    )
+    return json.loads(raw.stdout).get("status", {}).get("replicas", 0)
+
+
+def test_drift_on_children_is_corrected(cluster, operator, namespace, model_dir):
+    cluster.apply(_isvc("steady", model_dir, replicas=1), namespace)
+    wait_for(lambda: _get(cluster, "service", "steady", namespace), 60, "the Service")
+    wait_for(lambda: _get(cluster, "deployment", "steady", namespace), 60, "the Deployment")
+
+    cluster.kubectl("scale", "deployment", "steady", "-n", namespace, "--replicas", "4")
+    wait_for(
+        lambda: _get(cluster, "deployment", "steady", namespace)["spec"]["replicas"] == 1,
+        60,
+        "the Deployment's replicas to return to the InferenceService's 1",
+    )
+    patch = '[{"op": "replace", "path": "/spec/template/spec/containers/0/command/0", "value": "evil"}]'
+    cluster.kubectl("patch", "deployment", "steady", "-n", namespace, "--type=json", "-p", patch)
+    wait_for(
+        lambda: (
+            _get(cluster, "deployment", "steady", namespace)["spec"]["template"]["spec"]["containers"][0][
+                "command"
+            ][0]
+            == "flotilla"
+        ),
+        60,
+        "the engine command to be restored",
+    )
+    old_uid = _get(cluster, "service", "steady", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "service", "steady", "-n", namespace)
+    wait_for(
+        lambda: (svc := _get(cluster, "service", "steady", namespace)) and svc["metadata"]["uid"] != old_uid,
+        60,
+        "the deleted Service to be re-created",
+    )
+
+
+def test_deleting_the_service_removes_everything(cluster, operator, namespace, model_dir):
+    cluster.apply(_isvc("gone", model_dir, replicas=2), namespace)
+    wait_for(lambda: len(_pods(cluster, namespace, "gone")) == 2, 60, "2 pods")
+    wait_for(lambda: _get(cluster, "poddisruptionbudget", "gone", namespace), 60, "the PDB")
+    cluster.kubectl("delete", "fisvc", "gone", "-n", namespace)
+    for kind in ("deployment", "service", "poddisruptionbudget"):
+        wait_for(
+            lambda kind=kind: _get(cluster, kind, "gone", namespace) is None,
+            90,
+            f"the {kind} to be collected",
+        )
+    wait_for(lambda: not _pods(cluster, namespace, "gone"), 90, "the pods to be removed")
+
+
+def test_quota_holds_back_replicas_and_says_so(cluster, operator, namespace, model_dir):
+    tenant = f"tenant-{uuid.uuid4().hex[:6]}"
+    cluster.apply(
+        textwrap.dedent(f"""
+        apiVersion: flotilla.dev/v1alpha1
+        kind: Tenant
+        metadata: {{name: {tenant}}}
+        spec: {{namespaces: [{namespace}], gpuQuota: {{h100: 2}}}}
+        """)
+    )
+    try:
+        cluster.apply(_isvc("greedy", model_dir, replicas=3), namespace)
+        refused = _condition(cluster, namespace, "greedy", "QuotaAdmitted", "False")
+        assert refused["reason"] == "QuotaExceeded"
+        for words in (f"tenant {tenant}", "3 replicas x 1 h100 GPUs = 3", "quota is 2"):
+            assert words in refused["message"], refused["message"]
+        wait_for(
+            lambda: (
+                (_get(cluster, "deployment", "greedy", namespace) or {}).get("spec", {}).get("replicas") == 2
+            ),
+            60,
+            "the Deployment to be held at the 2 replicas the quota admits",
+        )
+        status = _get(cluster, "fisvc", "greedy", namespace)["status"]
+        assert status["desiredReplicas"] == 2 and f"tenant {tenant}" in status["message"]
+        pods = wait_for(lambda: _pods(cluster, namespace, "greedy"), 60, "pods")
+        env = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
+        assert env["FLOTILLA_TENANT"] == tenant
+
+        # Raising the quota admits the rest without touching the InferenceService.
+        cluster.kubectl(
+            "patch", "tenant", tenant, "--type=merge", "-p", '{"spec": {"gpuQuota": {"h100": 4}}}'
+        )
+        _condition(cluster, namespace, "greedy", "QuotaAdmitted", "True")
+        wait_for(
+            lambda: _get(cluster, "deployment", "greedy", namespace)["spec"]["replicas"] == 3,
+            60,
+            "3 replicas admitted",
+        )
+    finally:
+        cluster.kubectl("delete", "tenant", tenant, "--wait=false", check=False)
+
+
+def test_operator_restart_converges_without_duplicates(cluster, operator, namespace, model_dir):
+    cluster.apply(_isvc("durable", model_dir, replicas=1), namespace)
+    wait_for(lambda: len(_pods(cluster, namespace, "durable")) == 1, 60, "1 pod")
+    operator.stop()
+    try:
+        # Changes made while no operator runs.
+        cluster.kubectl("scale", "fisvc", "durable", "-n", namespace, "--replicas", "2")
+        cluster.apply(_isvc("latecomer", model_dir, replicas=1), namespace)
+    finally:
+        operator.start()
+    wait_for(lambda: len(_pods(cluster, namespace, "durable")) == 2, 90, "durable: 2 pods after the restart")
+    wait_for(lambda: len(_pods(cluster, namespace, "latecomer")) == 1, 90, "latecomer: its pod")
+    deployments = cluster.get_json("deployments", "-n", namespace)["items"]
+    assert sorted(d["metadata"]["name"] for d in deployments) == ["durable", "latecomer"]
+    replica_sets = cluster.get_json(
+        "replicasets", "-n", namespace, "-l", "flotilla.dev/inferenceservice=durable"
+    )
+    assert len(replica_sets["items"]) == 1  # the restart re-applied the same template: no new rollout
+
+
+def test_operator_serves_metrics_and_health(cluster, operator):
+    code, _ = operator.get("/healthz")
+    assert code == 200
+    code, text = operator.get("/metrics")
+    assert code == 200
+    assert "flotilla_reconcile_duration_seconds_bucket" in text
+    assert "flotilla_reconcile_errors_total" in text or "flotilla_reconciles_total" in text
+
+
+def test_operator_identity_is_least_privilege(cluster, operator):
+    who = f"--as=system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"
+    for verb, resource, allowed in [
+        ("patch", "deployments", "yes"),
+        ("delete", "deployments", "no"),
+        ("get", "secrets", "no"),
+        ("create", "pods", "no"),
+        ("patch", "inferenceservices.flotilla.dev/status", "yes"),
+    ]:
+        result = cluster.kubectl("auth", "can-i", verb, resource, who, "-A", check=False)
+        assert result.stdout.strip() == allowed, (verb, resource, result.stdout, result.stderr)
