@@ -17,10 +17,13 @@ def _running(state_dir) -> bool:
 
 @pytest.fixture(scope="session")
 def cluster() -> ClusterHandle:
+    """Reuses the cluster `flotilla cluster up` runs, or starts a fresh one of its own and purges it after."""
     state_dir = default_state_dir()
     if _running(state_dir):
         handle = ClusterHandle(ClusterConfig.load(state_dir), started_here=False)
     else:
+        state_dir = state_dir.parent / "test-cluster"
+        down(state_dir, purge=True)  # whatever an interrupted run left behind, stopped by pid
         handle = ClusterHandle(up(ClusterConfig(state_dir=state_dir)), started_here=True)
     wait_for(
         lambda: handle.kubectl("get", "nodes", "-o", "name", check=False).stdout.count("node/") >= 2,
@@ -45,7 +48,7 @@ def cluster() -> ClusterHandle:
     )
     yield handle
     if handle.started_here:
-        down(state_dir)
+        down(state_dir, purge=True)
 
 
 @pytest.fixture

@@ -143,7 +143,9 @@ def _isvc(name: str, model: Path | str, *, replicas: int = 1, **spec) -> str:
 
 
 def _get(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> dict | None:
-    result = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    result = cluster.kubectl(
+        "get", kind, name, "-n", namespace, "-o", "json", "--show-managed-fields", check=False
+    )
     return json.loads(result.stdout) if result.returncode == 0 else None
 
 

@@ -44,6 +44,7 @@ def _config(args):
         etcd_port=args.etcd_port,
         etcd_peer_port=args.etcd_port + 1,
         simulate=args.simulate,
+        pod_ip_base=args.pod_ip_base,
     )
     if args.state_dir:
         cfg.state_dir = args.state_dir
@@ -163,6 +164,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--apiserver-port", type=int, default=6443)
     up.add_argument(
         "--etcd-port", type=int, default=2379, help="etcd client port; the peer port is the next one"
+    )
+    up.add_argument(
+        "--pod-ip-base",
+        type=int,
+        default=1,
+        help="pods get 127.BASE.x.y; give each cluster on a host its own",
     )
     up.add_argument(
         "--simulate", action="store_true", help="mark pods Ready without running them (scale tests)"

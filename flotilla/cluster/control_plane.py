@@ -37,6 +37,7 @@ class ClusterConfig:
     gpu_type: str = "h100"
     node_prefix: str = "gpu-node"
     simulate: bool = False
+    pod_ip_base: int = 1  # pods get 127.<base>.x.y; clusters sharing a host need different bases
 
     @property
     def server(self) -> str:
@@ -176,6 +177,7 @@ def _argv(cfg: ClusterConfig, name: str) -> list[str]:
             f"--gpus={cfg.gpus_per_node}",
             f"--gpu-type={cfg.gpu_type}",
             f"--node-prefix={cfg.node_prefix}",
+            f"--pod-ip-base={cfg.pod_ip_base}",
         ]
         return [*argv, "--simulate"] if cfg.simulate else argv
     raise ValueError(name)

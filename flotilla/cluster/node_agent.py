@@ -36,9 +36,11 @@ def micro_time() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def node_ip_prefix(index: int) -> str:
-    """Node i owns 127.a.b.0/24 with a >= 1, so no pod ever gets 127.0.0.x."""
-    return f"127.{1 + index // 250}.{index % 250}"
+def node_ip_prefix(index: int, base: int = 1) -> str:
+    """Node i owns 127.a.b.0/24 with a >= base >= 1, so no pod ever gets 127.0.0.x.
+
+    Clusters sharing a host take different bases so their pods never share an address."""
+    return f"127.{base + index // 250}.{index % 250}"
 
 
 class IpPool:
@@ -71,9 +73,10 @@ class NodeAgent:
         state_dir: Path,
         simulate: bool = False,
         backoff_base: float = 1.0,
+        pod_ip_base: int = 1,
     ):
         self.client = client
-        self.nodes = {name: IpPool(node_ip_prefix(i)) for i, name in enumerate(node_names)}
+        self.nodes = {name: IpPool(node_ip_prefix(i, pod_ip_base)) for i, name in enumerate(node_names)}
         self.gpus, self.gpu_type = gpus, gpu_type
         self.state_dir = state_dir
         self.simulate = simulate
@@ -374,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--simulate", action="store_true", help="mark pods Running and Ready without processes"
     )
+    parser.add_argument("--pod-ip-base", type=int, default=1, help="pods get 127.BASE.x.y and up")
     parser.add_argument(
         "--restart-backoff", type=float, default=1.0, help="first restart back-off in seconds"
     )
@@ -387,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         args.state_dir,
         simulate=args.simulate,
         backoff_base=args.restart_backoff,
+        pod_ip_base=args.pod_ip_base,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stopping.set())
