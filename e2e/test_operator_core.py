@@ -265,7 +265,7 @@ def test_service_gets_owned_children_pods_and_status(cluster, operator, namespac
     assert "--max-num-seqs" in container["command"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert pods[0]["spec"]["nodeSelector"] == {"flotilla.dev/gpu-type": "h100"}
-    env = {e["name"]: e.get("value") for e in container["env"]}
+    env = {e["name"]: e.get("value", "") for e in container["env"]}
     assert env["FLOTILLA_SERVICE"] == "chat" and env["FLOTILLA_TENANT"] == ""
 
     _condition(cluster, namespace, "chat", "Valid", "True")

@@ -13,7 +13,8 @@ from typing import Any
 def contains(observed: Any, desired: Any) -> bool:
     if isinstance(desired, dict):
         return isinstance(observed, dict) and all(
-            key in observed and contains(observed[key], value) for key, value in desired.items()
+            contains(observed[key], value) if key in observed else _omitted(value)
+            for key, value in desired.items()
         )
     if isinstance(desired, list):
         # Lists we write are complete (containers, env, ports): same length, item by item.
@@ -34,6 +35,11 @@ def contains(observed: Any, desired: Any) -> bool:
     return observed == desired
 
 
+def _omitted(value: Any) -> bool:
+    # The API server drops empty strings, lists and maps (omitempty), e.g. an env var whose value is "".
+    return value is None or value == "" or value == [] or value == {}
+
+
 def drifted(observed: dict, desired: dict) -> list[str]:
     """Top-level paths (metadata.labels, spec, ...) where the observed object no longer matches."""
     paths = []
@@ -43,6 +49,6 @@ def drifted(observed: dict, desired: dict) -> list[str]:
         for key, value in want.items():
             if key in ("name", "namespace"):
                 continue
-            if not contains(have.get(key), value):
+            if not contains(have, {key: value}):
                 paths.append(f"{section}.{key}")
     return paths

@@ -84,6 +84,23 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     HEALTH.set(True)
 
 
+@kopf.on.login()
+def login(**_) -> kopf.ConnectionInfo:
+    """kopf talks to the API with the same credentials as our client (one kubeconfig, loaded once)."""
+    cfg = runtime().kube.configuration
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme or ("Bearer" if token else None),
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
 @kopf.on.cleanup()
 def stopping(**_) -> None:
     HEALTH.set(False)
@@ -303,12 +320,20 @@ def _child_event(event: dict, namespace: str, labels: dict, kwargs: dict, *, che
     if event.get("type") == "DELETED":
         observed = {"kind": observed.get("kind")}
     try:
-        if check_drift:
-            sync(obj, _indexes(kwargs), "child", mode="drift", observed=observed)
-        else:
-            sync(obj, _indexes(kwargs), "child", mode="drift", observed={})
-    except Exception:
-        log.exception("refreshing %s/%s after a child event failed", namespace, labels.get(SERVICE_LABEL))
+        sync(obj, _indexes(kwargs), "child", mode="drift", observed=observed if check_drift else {})
+    except Exception as exc:
+        _log_failure(exc, "refreshing %s/%s after a child event", namespace, labels.get(SERVICE_LABEL))
+
+
+def _log_failure(exc: Exception, what: str, *args) -> None:
+    """Event-driven refreshes are not retried by kopf; the next event or resume repairs them. An owner or
+    namespace that is going away is expected (watch events of different kinds arrive in any order)."""
+    status = getattr(exc, "status", None)
+    going_away = status == 404 or (status == 403 and "being terminated" in str(getattr(exc, "body", "")))
+    if going_away:
+        log.info(what + " skipped: the object or its namespace is being deleted", *args)
+    else:
+        log.error(what + " failed: %s", *args, exc, exc_info=exc)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)

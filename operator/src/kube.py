@@ -20,6 +20,7 @@ MERGE = "application/merge-patch+json"
 class Kube:
     def __init__(self, kubeconfig: Path | None = None):
         api_client = self._load(kubeconfig)
+        self.configuration: client.Configuration = api_client.configuration
         self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
         self.policy = client.PolicyV1Api(api_client)
@@ -57,7 +58,7 @@ class Kube:
             _content_type=APPLY,
             _preload_content=False,
         )
-        response.release_conn()
+        _drain(response)
 
     def patch_status(self, namespace: str, name: str, status: dict) -> None:
         API_CALLS.labels(verb="patch", resource="inferenceservices/status").inc()
@@ -71,4 +72,11 @@ class Kube:
             _content_type=MERGE,
             _preload_content=False,
         )
-        response.release_conn()
+        _drain(response)
+
+
+def _drain(response) -> None:
+    """Read the body we do not need (parsing it into models costs more than the call), so the pooled
+    connection is clean for the next request."""
+    response.read()
+    response.release_conn()

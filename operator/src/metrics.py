@@ -24,6 +24,13 @@ API_CALLS = Counter(
     ["verb", "resource"],
 )
 
+# What started a reconcile. Declared up front so every series exists (at zero) from the first scrape.
+TRIGGERS = ("spec", "child", "nodes-changed", "tenant-changed", "quota-freed")
+for _trigger in TRIGGERS:
+    RECONCILE_DURATION.labels(_trigger)
+    RECONCILE_ERRORS.labels(_trigger)
+    RECONCILES.labels(_trigger)
+
 
 class Health:
     """Healthy once kopf has started and until it stops."""

@@ -24,3 +24,9 @@ def test_quantities_compare_as_text_and_bools_strictly():
     assert contains({"cpu": 4}, {"cpu": "4"})
     assert not contains(1, True)
     assert not contains(None, {"a": 1})
+
+
+def test_empty_values_the_server_omits_are_not_drift():
+    desired = {"spec": {"env": [{"name": "FLOTILLA_TENANT", "value": ""}], "volumes": []}}
+    observed = {"spec": {"env": [{"name": "FLOTILLA_TENANT"}]}}
+    assert drifted(observed, desired) == []
