@@ -61,10 +61,10 @@ class OperatorProcess:
             lambda: self.get("/healthz")[0] == 200, 60, f"the operator's /healthz (log: {self.log_path})"
         )
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -405,7 +405,7 @@ def test_quota_holds_back_replicas_and_says_so(cluster, operator, namespace, mod
 def test_operator_restart_converges_without_duplicates(cluster, operator, namespace, model_dir):
     cluster.apply(_isvc("durable", model_dir, replicas=1), namespace)
     wait_for(lambda: len(_pods(cluster, namespace, "durable")) == 1, 60, "1 pod")
-    operator.stop()
+    operator.stop(signal.SIGKILL)  # a crash: no cleanup, its peering entry stays behind
     try:
         # Changes made while no operator runs.
         cluster.kubectl("scale", "fisvc", "durable", "-n", namespace, "--replicas", "2")

@@ -41,6 +41,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     peering = run.add_mutually_exclusive_group()
     peering.add_argument("--peering", help="kopf peering object name (needs the kopf.dev peering CRDs)")
     peering.add_argument("--standalone", action="store_true", help="no peering (the default when no CRD)")
+    run.add_argument(
+        "--priority", type=int, help="kopf peering priority (default: start time, newest active)"
+    )
     run.add_argument("--verbose", action="store_true")
     run.set_defaults(func=_run)
 
@@ -93,5 +96,6 @@ def _run(args: argparse.Namespace) -> int:
         liveness_port=args.liveness_port,
         peering=args.peering,
         standalone=args.standalone,
+        priority=args.priority,
         verbose=args.verbose,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def run_operator(
     liveness_port: int,
     peering: str | None,
     standalone: bool,
+    priority: int | None = None,
     verbose: bool,
 ) -> int:
     import kopf
@@ -50,6 +52,10 @@ def run_operator(
         namespaces=list(namespaces or ()),
         standalone=True if standalone else None,
         peering_name=peering,
+        # kopf freezes every replica when peers share a priority, which would also stall a replacement
+        # for a crashed operator until the dead one's peering entry expires. Start time as priority: the
+        # newest replica is the active one, older ones stand by.
+        priority=priority if priority is not None else int(time.time()),
         liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz" if liveness_port else None,
     )
     return 0
