@@ -66,22 +66,19 @@ def paged_decode_attention(
 
 
 def _decode_group(query, k_cache, v_cache, block_tables, seq_lens, scale):
-    batch, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     max_len = max(seq_lens)
     num_blocks = -(-max_len // block_size)
     tables = block_tables[:, :num_blocks].long()
-    # [B, L, KVH, D] -> [B, KVH, L, D]
+    # Gather each request's blocks: [B, L, KVH, D] -> [B, KVH, L, D], padded to the group's longest.
     keys = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
     values = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    q = query.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, KVH, G, L]
     lens = torch.tensor(seq_lens, device=query.device)
-    pad = torch.arange(max_len, device=query.device)[None, :] >= lens[:, None]
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+    valid = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0]
 
 
 def paged_prefill_attention(

@@ -76,24 +76,31 @@ class KVCacheManager:
     ) -> bool:
         """Make the request's block table cover its computed tokens, the cache hits and num_new_tokens
         more. Returns False, changing nothing, when the pool cannot supply the blocks."""
-        blocks = self._blocks.setdefault(request.request_id, [])
-        num_hit_tokens = len(computed_blocks) * self.block_size
-        total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
-        # Unreferenced cache hits leave the free list when taken, so they count against it too.
-        num_idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_needed, 0) + num_idle_hits > self.pool.num_free_blocks:
-            if not blocks:
-                del self._blocks[request.request_id]
-            return False
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
-            self._num_registered[request.request_id] = len(blocks)
-        if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
-        request.block_ids = [b.block_id for b in blocks]
-        if self.enable_prefix_caching:
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if blocks is None:
+            blocks = self._blocks[rid] = []
+        bs = self.block_size
+        total_tokens = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        num_needed = -(-total_tokens // bs) - len(blocks) - len(computed_blocks)
+        if computed_blocks or num_needed > 0:
+            # Unreferenced cache hits leave the free list when taken, so they count against it too.
+            num_idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+            if max(num_needed, 0) + num_idle_hits > self.pool.num_free_blocks:
+                if not blocks:
+                    del self._blocks[rid]
+                return False
+            if computed_blocks:
+                self.pool.touch(computed_blocks)
+                blocks.extend(computed_blocks)
+                request.block_ids.extend(b.block_id for b in computed_blocks)
+                self._num_registered[rid] = len(blocks)
+            if num_needed > 0:
+                new = self.pool.allocate(num_needed)
+                blocks.extend(new)
+                request.block_ids.extend(b.block_id for b in new)
+        # Decode steps usually stop here: a block is registered once, when it fills.
+        if self.enable_prefix_caching and total_tokens // bs > self._num_registered.get(rid, 0):
             self._register_full_blocks(request, blocks, total_tokens)
         return True
 

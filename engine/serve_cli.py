@@ -1,0 +1,90 @@
+"""`flotilla engine serve`: flags, start-up checks and the uvicorn server with graceful drain."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from flotilla.engine.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the model name clients use (default: the folder's name)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("FLOTILLA_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API (default: $FLOTILLA_API_KEY; unset: no key)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests that may wait for a batch slot; more get 429 (0 or less: unbounded; default 256)",
+    )
+    parser.add_argument("--max-body-size", type=parse_bytes, default="8MiB", help="largest request body")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds to let in-flight requests finish (keep it under the pod's grace period)",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from flotilla.engine.config import ModelConfig, ModelLoadError
+    from flotilla.engine.server import DrainingServer, ServerSettings, create_app
+    from flotilla.engine.tokenizer import ModelTokenizer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    folder = Path(args.model)
+    try:  # fail fast, before listening, on a folder that cannot load
+        ModelConfig.from_file(folder / "config.json")
+        ModelTokenizer(folder)
+        config = engine_config_from_args(args)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"flotilla engine serve: {exc}", file=sys.stderr)
+        return 2
+
+    def build_engine():
+        from flotilla.engine.llm_engine import LLMEngine
+
+        return LLMEngine(config)
+
+    settings = ServerSettings(
+        model_name=args.served_model_name or folder.resolve().name,
+        api_key=args.api_key or None,
+        max_queue=args.max_queue if args.max_queue > 0 else None,
+        max_body_bytes=args.max_body_size,
+    )
+    failed: list[BaseException] = []
+    server: DrainingServer | None = None
+
+    def on_load_failure(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, build_engine, on_load_failure)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.drain_timeout,
+        timeout_keep_alive=5,
+    )
+    server = DrainingServer(uv_config, app.state.flotilla)
+    server.run()
+    return 1 if failed else 0
