@@ -181,14 +181,20 @@ def sequences_per_budget(
     )
     for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
         sched.add_request(Request(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True)))
-    peak = 0
+    peak, counts = 0, []
     while sched.has_unfinished():
         out = sched.schedule()
         peak = max(peak, sched.num_running)
+        counts.append(sched.num_running)
         sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
     return {
+        "sequences_offered": len(work.prompts),
         "kv_budget_tokens": num_blocks * block_size,
         "paged_peak_concurrent_sequences": peak,
+        # Mean over the middle half of the run (the budget is full there; start and drain excluded).
+        "paged_mean_concurrent_sequences": statistics.fmean(
+            counts[len(counts) // 4 : 3 * len(counts) // 4] or counts
+        ),
         "contiguous_max_len_sequences": (num_blocks * block_size) // max_model_len,
         "preemptions": sched.num_preemptions,
     }
@@ -334,7 +340,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"KV-slot utilization ({f['kv_slot_utilization_measured_at']}): {f['kv_slot_utilization']:.3f}")
     s = r["sequences_per_kv_budget"]
     print(
-        f"sequences at once in {s['kv_budget_tokens']} KV tokens: paged {s['paged_peak_concurrent_sequences']}, "
+        f"sequences at once in {s['kv_budget_tokens']} KV tokens: paged {s['paged_mean_concurrent_sequences']:.0f} "
+        f"(peak {s['paged_peak_concurrent_sequences']}), "
         f"contiguous at max length {s['contiguous_max_len_sequences']}"
     )
     if "prefix_cache" in r:

@@ -140,3 +140,54 @@ def test_async_engine_streams_concurrently_and_aborts_on_exit(tiny_engine):
     )
     assert tiny_engine.stats().finished_by_reason.get("abort", 0) == before + 1
     assert not tiny_engine.has_unfinished_requests() and tiny_engine.kv_manager.usage() == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(hf_models, dtype):
+    import torch
+    from flotilla.engine.config import EngineConfig
+    from flotilla.engine.llm_engine import LLMEngine
+
+    folder, _ = hf_models("llama-gqa")
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            device="cpu",
+            dtype=dtype,
+            block_size=4,
+            kv_cache_memory=1 << 20,
+            show_progress=False,
+        )
+    )
+    assert engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    out = engine.generate(
+        [[0, 1, 2, 3]],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )[0]
+    assert len(out.token_ids) == 4 and all(lp.logprob <= 0 for lp in out.all_logprobs)
+
+
+def test_priorities_are_served_first_when_the_batch_is_full(hf_models):
+    from flotilla.engine.config import EngineConfig
+    from flotilla.engine.llm_engine import LLMEngine
+
+    folder, _ = hf_models("llama-gqa")
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            max_num_seqs=1,
+            kv_cache_memory=1 << 20,
+            show_progress=False,
+        )
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request([0, 1], params, request_id="low", priority=5)
+    engine.add_request([0, 2], params, request_id="high", priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
