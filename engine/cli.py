@@ -6,8 +6,28 @@ import argparse
 
 
 def add_commands(subparsers) -> None:
+    from flotilla.engine.bench_serve import add_bench_serve_args
+    from flotilla.engine.serve_cli import add_serve_args
+
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve one model: /v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics, /tokenize, /detokenize. SIGTERM drains: in-flight requests finish, new ones are refused.",
+    )
+    add_serve_args(serve)
+    serve.set_defaults(func=_serve)
+
     bench = subparsers.add_parser("bench", help="benchmark the engine")
     kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    bench_serve = kinds.add_parser(
+        "serve",
+        help="load-test a running server: streamed requests, Poisson arrivals, latency percentiles",
+        description="Stream requests to a running server and report TTFT, TPOT, ITL and end-to-end "
+        "latency (mean, median, p90, p99), throughput and failed requests.",
+    )
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
     offline = kinds.add_parser(
         "offline",
         help="offline throughput against transformers, KV utilization, prefix-cache TTFT, scheduler cost",
@@ -52,3 +72,15 @@ def _bench_offline(args: argparse.Namespace) -> int:
     from flotilla.engine.bench import run_offline
 
     return run_offline(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from flotilla.engine.serve_cli import run_serve
+
+    return run_serve(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from flotilla.engine.bench_serve import run_bench_serve
+
+    return run_bench_serve(args)
