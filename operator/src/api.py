@@ -90,14 +90,21 @@ class Resources(_Model):
 
 
 class Autoscaling(_Model):
-    """Declared here; the autoscaler (a later issue) acts on it."""
+    """What the autoscaler (autoscaler.py, rule in autoscale_rule.py) acts on."""
 
     min_replicas: int = Field(default=1, ge=0, le=1000)
     max_replicas: int = Field(ge=1, le=1000)
     ttft_p95_target_seconds: float | None = Field(default=None, gt=0, le=600)
-    queue_depth_target: float | None = Field(default=None, gt=0, le=100_000)
+    queue_depth_target: float | None = Field(
+        default=None, gt=0, le=100_000, description="waiting requests per ready replica"
+    )
     scale_up_window_seconds: int = Field(default=0, ge=0, le=3600)
     scale_down_window_seconds: int = Field(default=300, ge=0, le=3600)
+    period_seconds: int = Field(default=15, ge=1, le=600, description="one scrape and decision per period")
+    ttft_window_seconds: int = Field(
+        default=60, ge=1, le=3600, description="the TTFT p95 covers requests of this last window"
+    )
+    tolerance: float = Field(default=0.1, ge=0, le=1, description="ratios within 1 +/- this change nothing")
 
 
 class InferenceServiceSpec(_Model):
@@ -112,6 +119,28 @@ class InferenceServiceSpec(_Model):
     )
 
 
+class AutoscalingMetrics(_Model):
+    ttft_p95_seconds: float | None = Field(
+        default=None, description="over ttftWindowSeconds; none: no requests"
+    )
+    queue_depth_per_replica: float | None = Field(default=None, description="waiting requests per ready pod")
+    kv_cache_usage_ratio: float | None = Field(default=None, description="the highest of the ready pods")
+    ready_pods: int = 0
+    pods_scraped: int = 0
+    pods_unanswered: int = 0
+
+
+class AutoscalingStatus(_Model):
+    current_metrics: AutoscalingMetrics = Field(default_factory=AutoscalingMetrics)
+    recommendation: int | None = Field(default=None, description="before stabilization and limits")
+    desired_replicas: int = 0
+    last_scale_time: str | None = None
+    last_decision_time: str | None = None
+    reason: str = ""
+    message: str = ""
+    conditions: list[Condition] = Field(default_factory=list, description="ScalingActive, QuotaLimited")
+
+
 class InferenceServiceStatus(_Model):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
@@ -123,6 +152,9 @@ class InferenceServiceStatus(_Model):
     endpoints: list[str] = Field(default_factory=list, description="OpenAI base URLs of ready pods")
     service_url: str | None = None
     message: str = ""
+    # Written only by the autoscaler, with its own status patch. Excluded from dumps so the reconciler's
+    # merge patch of the whole status never nulls it.
+    autoscaling: AutoscalingStatus | None = Field(default=None, exclude=True)
 
 
 # ---------------------------------------------------------------------------------------------------
