@@ -402,6 +402,46 @@ def test_quota_holds_back_replicas_and_says_so(cluster, operator, namespace, mod
         cluster.kubectl("delete", "tenant", tenant, "--wait=false", check=False)
 
 
+def test_refusals_by_the_api_show_in_status(cluster, operator, namespace, model_dir):
+    # A namespace ResourceQuota (the platform's backstop) refuses the Service and the GPU pods.
+    cluster.apply(
+        textwrap.dedent("""
+        apiVersion: v1
+        kind: ResourceQuota
+        metadata: {name: backstop}
+        spec: {hard: {services: "0", requests.nvidia.com/gpu: "0"}}
+        """),
+        namespace,
+    )
+    wait_for(
+        lambda: (cluster.get_json("resourcequota", "backstop", "-n", namespace).get("status") or {}).get(
+            "hard"
+        ),
+        60,
+        "the quota controller to fill the quota's status",
+    )
+    cluster.apply(_isvc("refused", model_dir, replicas=1), namespace)
+
+    def degraded_with(words):
+        cond = _conditions(_get(cluster, "fisvc", "refused", namespace)).get("Degraded") or {}
+        return cond if cond.get("status") == "True" and words in cond.get("message", "") else None
+
+    applied = wait_for(lambda: degraded_with("exceeded quota"), 90, "Degraded naming the refused Service")
+    assert applied["reason"] == "ApplyFailed" and "Service refused" in applied["message"]
+    assert wait_for(
+        lambda: [e for e in _events(cluster, namespace, "refused") if e["reason"] == "ApplyFailed"],
+        30,
+        "an event",
+    )
+    # Lift the Service refusal: what remains is the pods' refusal, reported from the Deployment.
+    cluster.kubectl("patch", "resourcequota", "backstop", "-n", namespace, "--type=merge", "-p",
+                    '{"spec": {"hard": {"services": "10", "requests.nvidia.com/gpu": "0"}}}')  # fmt: skip
+    pods_refused = wait_for(
+        lambda: degraded_with("requests.nvidia.com/gpu"), 120, "Degraded naming the GPU quota"
+    )
+    assert pods_refused["message"].startswith("deployment: FailedCreate"), pods_refused
+
+
 def test_operator_restart_converges_without_duplicates(cluster, operator, namespace, model_dir):
     cluster.apply(_isvc("durable", model_dir, replicas=1), namespace)
     wait_for(lambda: len(_pods(cluster, namespace, "durable")) == 1, 60, "1 pod")

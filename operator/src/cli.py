@@ -25,6 +25,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     rbac.add_argument("--check", action="store_true", help="fail if the file differs instead of writing")
     rbac.set_defaults(func=_rbac)
 
+    bench = subparsers.add_parser(
+        "bench", help="scale benchmark: N InferenceServices on a simulated cluster; prints figures"
+    )
+    _add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+
     run = subparsers.add_parser("run", help="run the operator (kopf) against the current kubeconfig")
     run.add_argument("--kubeconfig", type=Path, help="default: $KUBECONFIG or in-cluster")
     run.add_argument("--namespace", action="append", help="watch only these namespaces (default: all)")
@@ -46,6 +52,18 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--verbose", action="store_true")
     run.set_defaults(func=_run)
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from flotilla.operator.bench import add_arguments  # import-light: argparse, yaml
+
+    add_arguments(parser)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from flotilla.operator.bench import run
+
+    return run(args)
 
 
 def _crds(args: argparse.Namespace) -> int:

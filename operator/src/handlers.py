@@ -22,12 +22,13 @@ import kopf
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.drift import drifted
-from flotilla.operator.kube import Kube
+from flotilla.operator.kube import Kube, api_error_message
 from flotilla.operator.metrics import HEALTH, RECONCILE_DURATION, RECONCILE_ERRORS, RECONCILES
 from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL
 from flotilla.operator.quota import Grant, tenant_for_namespace
-from flotilla.operator.reconcile import Plan, World, plan, status_changed
-from flotilla.operator.status import QUOTA_ADMITTED, VALID
+from flotilla.operator.reconcile import Event, Plan, World, plan, status_changed
+from flotilla.operator.status import QUOTA_ADMITTED, VALID, with_apply_failures
+from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("flotilla.operator")
 
@@ -49,6 +50,7 @@ class Runtime:
     written_status: dict[Key, dict] = field(
         default_factory=dict
     )  # last status we wrote, newer than the index
+    refused: dict[Key, dict[str, str]] = field(default_factory=dict)  # kind -> why the API refused it
     key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one sync at a time per service
     gpu_types: frozenset[str] = frozenset()
 
@@ -218,16 +220,38 @@ def _plan(obj: dict, indexes: dict) -> tuple[Plan, Key]:
     return result, key
 
 
+class ApplyFailed(Exception):
+    pass
+
+
 def _write(obj: dict, result: Plan, key: Key, *, apply: Iterable[dict]) -> None:
     rt = runtime()
+    # Remembered until that kind is applied successfully, so status does not flip back and forth
+    # between refreshes that re-apply nothing.
+    refused = rt.refused.setdefault(key, {})
     for child in apply:
-        rt.kube.apply(child)
+        try:
+            rt.kube.apply(child)
+            refused.pop(child["kind"], None)
+        except ApiException as exc:
+            if exc.status == 404 or _going_away(exc):
+                raise
+            refused[child["kind"]] = f"{child['kind']} {key[1]}: {api_error_message(exc)}"
+    failures = list(refused.values()) if result.children else []
+    status, events = result.status, list(result.events)
+    if failures:
+        status = with_apply_failures(status, failures, _now())
+        before = rt.written_status.get(key, obj.get("status")) or {}
+        if before.get("message") != status["message"]:
+            events.append(Event("Warning", "ApplyFailed", status["message"]))
     current = rt.written_status.get(key, obj.get("status"))
-    if status_changed(current, result.status):
-        rt.kube.patch_status(key[0], key[1], result.status)
-        rt.written_status[key] = result.status
-    for event in result.events:
+    if status_changed(current, status):
+        rt.kube.patch_status(key[0], key[1], status)
+        rt.written_status[key] = status
+    for event in events:
         kopf.event(obj, type=event.type, reason=event.reason, message=event.message[:1000])
+    if failures and any(child["kind"] in refused for child in apply):
+        raise ApplyFailed("; ".join(failures))
 
 
 def _key_lock(key: Key) -> threading.Lock:
@@ -275,13 +299,16 @@ def sync(obj: dict, indexes: dict, trigger: str, *, mode: str = "full", observed
 @kopf.on.resume(*ISVC)
 @kopf.on.create(*ISVC)
 @kopf.on.update(*ISVC)
-def reconcile(body: kopf.Body, **kwargs) -> None:
+def reconcile(body: kopf.Body, retry: int, **kwargs) -> None:
     try:
         sync(_plain(body), _indexes(kwargs), "spec")
     except kopf.PermanentError:
         raise
     except Exception as exc:
-        raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=5) from exc
+        # Back off exponentially: a refusal that lasts (a full ClusterIP range, a quota) must not turn
+        # every stuck service into a steady stream of API calls.
+        delay = min(5 * 2 ** min(retry, 6), 300)
+        raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=delay) from exc
 
 
 def _indexes(kwargs: dict) -> dict:
@@ -296,6 +323,7 @@ def service_event(event: dict, namespace: str, name: str, **kwargs) -> None:
     with rt.lock:
         freed = rt.grants.pop((namespace, name), None)
         rt.written_status.pop((namespace, name), None)
+        rt.refused.pop((namespace, name), None)
     if freed and freed.gpus:
         _retry(kwargs, lambda obj, cond: cond.get(QUOTA_ADMITTED) == "False", "quota-freed")
 
@@ -325,12 +353,14 @@ def _child_event(event: dict, namespace: str, labels: dict, kwargs: dict, *, che
         _log_failure(exc, "refreshing %s/%s after a child event", namespace, labels.get(SERVICE_LABEL))
 
 
+def _going_away(exc: Exception) -> bool:
+    return getattr(exc, "status", None) == 403 and "being terminated" in str(getattr(exc, "body", ""))
+
+
 def _log_failure(exc: Exception, what: str, *args) -> None:
     """Event-driven refreshes are not retried by kopf; the next event or resume repairs them. An owner or
     namespace that is going away is expected (watch events of different kinds arrive in any order)."""
-    status = getattr(exc, "status", None)
-    going_away = status == 404 or (status == 403 and "being terminated" in str(getattr(exc, "body", "")))
-    if going_away:
+    if getattr(exc, "status", None) == 404 or _going_away(exc):
         log.info(what + " skipped: the object or its namespace is being deleted", *args)
     else:
         log.error(what + " failed: %s", *args, exc, exc_info=exc)

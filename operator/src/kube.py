@@ -6,6 +6,7 @@ Every call is counted in flotilla_operator_api_calls_total, for the scale benchm
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, VERSION
@@ -80,3 +81,11 @@ def _drain(response) -> None:
     connection is clean for the next request."""
     response.read()
     response.release_conn()
+
+
+def api_error_message(exc: Exception) -> str:
+    """The API server's own words from an ApiException (its Status message), else the exception."""
+    try:
+        return json.loads(getattr(exc, "body", "") or "{}").get("message") or str(exc)
+    except ValueError:
+        return str(exc)

@@ -233,3 +233,18 @@ def compute_status(o: Observed, previous_conditions: list[dict], now: str) -> di
         message=summary_message(conditions),
     )
     return status.model_dump(by_alias=True, mode="json")
+
+
+def with_apply_failures(status: dict, failures: list[str], now: str) -> dict:
+    """The API refused some children (e.g. no ClusterIP left, an admission webhook said no): say so in
+    Degraded and the message instead of failing silently in the operator's log."""
+    message = "the API refused: " + "; ".join(failures)
+    conditions = []
+    for cond in status["conditions"]:
+        if cond["type"] == DEGRADED:
+            was_true = cond["status"] == "True"
+            cond = {**cond, "status": "True", "reason": "ApplyFailed", "message": message}
+            if not was_true:
+                cond["lastTransitionTime"] = now
+        conditions.append(cond)
+    return {**status, "conditions": conditions, "message": message}

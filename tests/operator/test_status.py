@@ -180,3 +180,17 @@ def test_terminating_pods_do_not_count():
     leaving["metadata"]["deletionTimestamp"] = NOW
     status = compute_status(_observed(pods=[pod_view(_pod("a")), pod_view(leaving)]), [], NOW)
     assert status["endpoints"] == ["http://127.0.1.2:8000/v1"] and status["gpus"] == 1
+
+
+def test_apply_failures_show_as_degraded():
+    from flotilla.operator.status import with_apply_failures
+
+    status = compute_status(_observed(), [], NOW)
+    failed = with_apply_failures(
+        status, ["Service chat: failed to allocate a serviceIP: range is full"], LATER
+    )
+    c = _conds(failed)
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "ApplyFailed"
+    assert "range is full" in c["Degraded"]["message"] and c["Degraded"]["lastTransitionTime"] == LATER
+    assert failed["message"].startswith("the API refused: Service chat")
+    assert c["Ready"] == _conds(status)["Ready"]
