@@ -138,13 +138,14 @@ def _events(previous: list[dict], status: dict) -> list[Event]:
 
 
 def status_changed(current: dict | None, new: dict) -> bool:
-    """Whether writing `new` would change anything (ignoring transition times, which merge keeps)."""
+    """Whether writing `new` would change anything. Only the fields we write count (others, such as
+    the autoscaler's, are kept by the merge patch), and transition times do not (merge keeps them)."""
 
-    def strip(status: dict | None) -> dict:
-        status = dict(status or {})
+    def strip(status: dict) -> dict:
+        status = {k: status.get(k) for k in new}
         status["conditions"] = [
             {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or []
         ]
         return status
 
-    return strip(current) != strip(new)
+    return strip(current or {}) != strip(new)

@@ -164,7 +164,8 @@ def test_scale_up_window_takes_the_lowest():
     history = (Recommendation(990.0, 2),)
     out = decide(inputs(2, pods(16, 16), history=history, scale_up_window=30))
     assert (out.recommendation, out.desired) == (8, 2)
-    assert decide(inputs(2, pods(16, 16), history=history, scale_up_window=0)).desired == 8
+    out = decide(inputs(2, pods(16, 16), history=history, scale_up_window=0))
+    assert (out.desired, out.limited_by) == (6, "ScaleUpLimit")  # 8, but at most 2 + 4 in one step
 
 
 def test_stabilize_never_moves_against_the_recommendation():

@@ -89,3 +89,8 @@ def test_status_changed_ignores_transition_times():
     later = plan(_obj(SPEC), _world(now="2026-01-02T00:00:00Z"))
     assert not status_changed(p.status, later.status)
     assert status_changed({}, p.status)
+
+
+def test_status_written_by_others_is_not_a_change():
+    p = plan(_obj(SPEC), _world())
+    assert not status_changed({**p.status, "autoscaling": {"desiredReplicas": 3}}, p.status)
