@@ -22,6 +22,7 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
         "reconcile; kopf's progress annotations",
     ),
     (GROUP, [f"{INFERENCE_SERVICE.plural}/status"], ["get", "patch"], "write conditions and replicas"),
+    (GROUP, [f"{INFERENCE_SERVICE.plural}/scale"], ["get", "patch"], "the autoscaler sets replicas"),
     (
         GROUP,
         [f"{INFERENCE_SERVICE.plural}/finalizers"],

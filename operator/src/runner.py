@@ -35,7 +35,10 @@ def run_operator(
     # Structured (JSON) logs, one object per line.
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON)
 
-    from flotilla.operator import handlers  # registers the handlers with kopf
+    from flotilla.operator import (
+        autoscale_handlers,  # noqa: F401 (registers the autoscaler's daemon)
+        handlers,  # registers the handlers with kopf
+    )
     from flotilla.operator.kube import Kube
     from flotilla.operator.metrics import serve
     from flotilla.operator.rbac import PEERING
