@@ -5,6 +5,7 @@ with server-side apply, so every field written here is a field the operator owns
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from flotilla.operator.api import API_VERSION, INFERENCE_SERVICE, EngineConfig, InferenceServiceSpec
@@ -62,15 +63,34 @@ def engine_flags(engine: EngineConfig) -> list[str]:
     if engine.block_size is not None:
         flags += ["--block-size", str(engine.block_size)]
     if engine.kv_cache_memory is not None:
-        flags += ["--kv-cache-memory", str(engine.kv_cache_memory)]
-    if engine.prefix_caching is not None:
-        flags.append("--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching")
+        flags += ["--kv-cache-memory", str(quantity_bytes(engine.kv_cache_memory))]
+    if engine.prefix_caching is False:  # on by default in the engine
+        flags.append("--no-prefix-caching")
     if engine.dtype is not None:
         flags += ["--dtype", engine.dtype]
     return flags + list(engine.extra_args)
 
 
-def engine_command(owner: Owner, spec: InferenceServiceSpec, model_path: str) -> list[str]:
+_QUANTITY_SUFFIXES = {
+    **{s: 1000**i for i, s in enumerate(["", "k", "M", "G", "T", "P", "E"])},
+    **{s: 1024**i for i, s in enumerate(["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"], start=1)},
+}
+
+
+_QUANTITY = re.compile(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+
+
+def quantity_bytes(quantity: str | int) -> int:
+    """A Kubernetes quantity ("2Gi", "500M", 1073741824) as a whole number of bytes."""
+    match = _QUANTITY.fullmatch(str(quantity).strip())
+    if match is None:
+        raise ValueError(f"{quantity!r} is not a byte quantity (examples: 2Gi, 512Mi, 1073741824)")
+    return int(float(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2) or ""])
+
+
+def engine_command(
+    owner: Owner, spec: InferenceServiceSpec, model_path: str, drain_seconds: int | None = None
+) -> list[str]:
     # $(POD_IP) is expanded by the kubelet (and the local node agent) from the env var below.
     return [
         "flotilla",
@@ -84,6 +104,7 @@ def engine_command(owner: Owner, spec: InferenceServiceSpec, model_path: str) ->
         str(ENGINE_PORT),
         "--served-model-name",
         served_name(owner, spec),
+        *(["--drain-timeout", str(drain_seconds)] if drain_seconds else []),
         *engine_flags(spec.engine),
     ]
 
@@ -135,7 +156,8 @@ def pod_template(
     container = {
         "name": "engine",
         "image": image,
-        "command": engine_command(owner, spec, mount.path),
+        # The engine drains in-flight requests on SIGTERM; it must finish before the grace period ends.
+        "command": engine_command(owner, spec, mount.path, max(1, config.termination_grace_seconds - 10)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(owner, decision.tenant),
         "resources": _resources(spec),

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flotilla.operator.api import InferenceServiceSpec
+from flotilla.operator.desired import quantity_bytes
 from flotilla.operator.model_source import ModelUriError, parse_model_uri
 from flotilla.operator.naming import GPU_TYPE_LABEL
 from pydantic import ValidationError
@@ -67,6 +68,11 @@ def validate(
                     "ModelNotFound",
                 )
             )
+    if spec.engine.kv_cache_memory is not None:
+        try:
+            quantity_bytes(spec.engine.kv_cache_memory)
+        except ValueError as exc:
+            problems.append(Problem("spec.engine.kvCacheMemory", str(exc), "InvalidQuantity"))
     gpu_type = spec.resources.gpu_type
     known = sorted(set(gpu_types))
     if gpu_type is not None and gpu_type not in known:

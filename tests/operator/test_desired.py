@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.desired import Decision, children, deployment, engine_flags, service, target_replicas
+from flotilla.operator.desired import (
+    Decision,
+    children,
+    deployment,
+    engine_flags,
+    quantity_bytes,
+    service,
+    target_replicas,
+)
 from flotilla.operator.naming import SERVICE_LABEL
 
 
@@ -21,6 +29,7 @@ def test_engine_command_serves_the_model_on_the_pod_ip(owner, decision, config, 
         "--host", "$(POD_IP)",
         "--port", "8000",
         "--served-model-name", "tiny-llama",
+        "--drain-timeout", "50",
     ]  # fmt: skip
 
 
@@ -46,8 +55,8 @@ def test_engine_flags_follow_the_spec(make_spec):
         "--max-num-seqs", "64",
         "--max-num-batched-tokens", "2048",
         "--block-size", "32",
-        "--kv-cache-memory", "2Gi",
-        "--no-enable-prefix-caching",
+        "--kv-cache-memory", str(2 * 1024**3),
+        "--no-prefix-caching",
         "--dtype", "bfloat16",
         "--seed", "7",
     ]  # fmt: skip
@@ -177,3 +186,21 @@ def test_hf_model_fetched_by_init_container(owner, decision, config, make_spec):
 def test_replicas_stay_inside_autoscaling_bounds(replicas, bounds, expected, make_spec):
     extra = {} if bounds is None else {"autoscaling": {"minReplicas": bounds[0], "maxReplicas": bounds[1]}}
     assert target_replicas(make_spec(replicas=replicas, **extra)) == expected
+
+
+def test_prefix_caching_is_the_engine_default(make_spec):
+    assert engine_flags(make_spec(engine={"prefixCaching": True}).engine) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("2Gi", 2 * 1024**3), ("500M", 500_000_000), (1024, 1024), ("1.5Ki", 1536)]
+)
+def test_quantity_bytes(text, expected):
+    assert quantity_bytes(text) == expected
+
+
+def test_bad_quantity_is_invalid(make_spec):
+    from flotilla.operator.validation import validate
+
+    (p,) = validate(make_spec(engine={"kvCacheMemory": "lots"}), gpu_types={"h100"}, path_exists=None)
+    assert p.field == "spec.engine.kvCacheMemory"
