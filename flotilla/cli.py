@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             group.set_defaults(func=_not_built(name))
             continue
+        if hasattr(module, "configure"):  # a group that is one command with options (flotilla usage)
+            module.configure(group)
+            continue
         module.add_commands(group.add_subparsers(dest="command", metavar="COMMAND", required=True))
     return parser
 

@@ -185,14 +185,52 @@ class TenantSpec(_Model):
     priority: int = Field(default=0, ge=-1000, le=1000)
 
 
-class TenantStatus(_Model):
-    gpus_allocated: dict[str, int] = Field(default_factory=dict)
-    gpu_quota: dict[str, int] = Field(default_factory=dict)
-    gpu_seconds: dict[str, float] = Field(
-        default_factory=dict, description="totals keyed by dimension, filled by metering"
+class GPUSeconds(_Model):
+    """GPU-seconds of one window (today, this month, all time), summed along each dimension."""
+
+    total: float = 0.0
+    by_namespace: dict[str, float] = Field(default_factory=dict)
+    by_service: dict[str, float] = Field(default_factory=dict, description="keyed namespace/name")
+    by_gpu_type: dict[str, float] = Field(default_factory=dict)
+
+
+class TenantUsage(_Model):
+    """Views of the ledger (metering.py derives them on every write; the ledger is the source)."""
+
+    today: GPUSeconds = Field(default_factory=GPUSeconds)
+    month: GPUSeconds = Field(default_factory=GPUSeconds)
+    total: GPUSeconds = Field(default_factory=GPUSeconds)
+
+
+class TokenCount(_Model):
+    input: int = 0
+    output: int = 0
+
+
+class MeteringLedger(_Model):
+    """What metering persists to count each GPU-second and token exactly once across restarts."""
+
+    total: dict[str, float] = Field(
+        default_factory=dict, description="GPU-seconds keyed namespace/service/gpuType"
     )
-    cost: float | None = None
-    last_metered_time: str | None = None
+    daily: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="UTC date -> GPU-seconds keyed namespace/service/gpuType"
+    )
+    token_counters: dict[str, TokenCount] = Field(
+        default_factory=dict, description="pod uid -> the engine's counters when last read"
+    )
+
+
+class TenantStatus(_Model):
+    gpus_allocated: dict[str, int] = Field(default_factory=dict, description="GPUs admitted, per type")
+    gpu_quota: dict[str, int] = Field(default_factory=dict)
+    services: int = Field(default=0, description="InferenceServices in the tenant's namespaces")
+    usage: TenantUsage = Field(default_factory=TenantUsage)
+    tokens: TokenCount = Field(default_factory=TokenCount, description="served, from the engines' counters")
+    cost: float = Field(default=0.0, description="GPU-hours x pricePerGPUHour, all time")
+    cost_per_million_tokens: float | None = None
+    ledger: MeteringLedger = Field(default_factory=MeteringLedger)
+    last_metered_time: str | None = Field(default=None, description="RFC 3339 with microseconds")
     conditions: list[Condition] = Field(default_factory=list)
 
 
