@@ -153,12 +153,12 @@ def _conditions(obj: dict | None) -> dict[str, dict]:
     return {c["type"]: c for c in ((obj or {}).get("status") or {}).get("conditions") or []}
 
 
-def _condition(cluster, namespace, name, type_, status):
+def _condition(cluster, namespace, name, type_, status, timeout: float = 90):
     def check():
         cond = _conditions(_get(cluster, "fisvc", name, namespace)).get(type_)
         return cond if cond and cond["status"] == status else None
 
-    return wait_for(check, 90, f"{name}: condition {type_}={status}")
+    return wait_for(check, timeout, f"{name}: condition {type_}={status}")
 
 
 def _pods(cluster: ClusterHandle, namespace: str, name: str) -> list[dict]:
@@ -460,6 +460,64 @@ def test_operator_restart_converges_without_duplicates(cluster, operator, namesp
         "replicasets", "-n", namespace, "-l", "flotilla.dev/inferenceservice=durable"
     )
     assert len(replica_sets["items"]) == 1  # the restart re-applied the same template: no new rollout
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    subprocess.run(
+        [sys.executable, "-m", "flotilla.cli", "model", "init", "--preset", "tiny-llama", str(path)],
+        check=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+        capture_output=True,
+        timeout=600,
+    )
+    return path
+
+
+def _complete(endpoint: str) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        f"{endpoint}/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as rsp:
+        assert rsp.status == 200
+        return json.loads(rsp.read())
+
+
+def test_engine_pod_becomes_ready_serves_and_recovers_from_a_kill(cluster, operator, namespace, tiny_model):
+    """The real engine (`flotilla engine serve`, CPU, random-weight tiny model) in a pod the operator made."""
+    cluster.apply(
+        _isvc("live", tiny_model, replicas=1, engine={"kvCacheMemory": "64Mi", "maxNumSeqs": 4}), namespace
+    )
+    _condition(cluster, namespace, "live", "Ready", "True", timeout=300)
+    status = _get(cluster, "fisvc", "live", namespace)["status"]
+    (endpoint,) = status["endpoints"]
+    answer = _complete(endpoint)
+    assert answer["model"] == "tiny" and isinstance(answer["choices"][0]["text"], str)
+
+    (pod,) = _pods(cluster, namespace, "live")
+    pid = int(pod["status"]["containerStatuses"][0]["containerID"].removeprefix("flotilla://"))
+    os.kill(pid, signal.SIGKILL)
+    restarted = wait_for(
+        lambda: next(
+            (
+                p
+                for p in _pods(cluster, namespace, "live")
+                if p["status"]["containerStatuses"][0]["restartCount"] >= 1
+                and p["status"]["containerStatuses"][0].get("ready")
+            ),
+            None,
+        ),
+        300,
+        "the killed engine to be restarted and ready again",
+    )
+    assert restarted["metadata"]["name"] == pod["metadata"]["name"]  # the same pod, restarted in place
+    _condition(cluster, namespace, "live", "Ready", "True", timeout=120)
+    endpoint = wait_for(
+        lambda: _get(cluster, "fisvc", "live", namespace)["status"]["endpoints"], 60, "endpoints"
+    )[0]
+    assert _complete(endpoint)["choices"]
 
 
 def test_operator_serves_metrics_and_health(cluster, operator):

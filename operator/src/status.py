@@ -137,7 +137,9 @@ def conditions_for(o: Observed) -> list[Condition]:
         quota_c = _cond(QUOTA_ADMITTED, o.quota.admitted, o.quota.reason, o.quota.message)
 
     dep, pods = o.deployment, [p for p in o.pods if not p.deleting]
-    ready_count = dep.ready if dep else 0
+    # Readiness from the pods themselves: the Deployment's counters lag behind (the controller-manager
+    # updates them at its own pace), and pods are what serves.
+    ready_count = sum(1 for p in pods if p.ready)
     if not valid:
         ready_c = _cond(READY, False, "InvalidSpec", "the spec is invalid; see the Valid condition")
     elif o.desired_replicas == 0:
@@ -219,12 +221,11 @@ def compute_status(o: Observed, previous_conditions: list[dict], now: str) -> di
     conditions = merge_transition_times(conditions_for(o), previous_conditions, now, o.generation)
     live = [p for p in o.pods if not p.deleting]
     endpoints = sorted(f"http://{p.ip}:{ENGINE_PORT}/v1" for p in live if p.ready and p.ip)
-    dep = o.deployment
     status = InferenceServiceStatus(
         observed_generation=o.generation,
         conditions=conditions,
-        replicas=dep.replicas if dep else 0,
-        ready_replicas=dep.ready if dep else 0,
+        replicas=len(live),
+        ready_replicas=sum(1 for p in live if p.ready),
         desired_replicas=o.desired_replicas,
         gpus=len(live) * o.gpus_per_replica,
         selector=o.selector,

@@ -79,7 +79,14 @@ def test_ready_deployment_makes_ready_status_and_a_normal_event():
         "spec": {"replicas": 2},
         "status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1},
     }
-    p = plan(_obj(SPEC), _world(deployment=dep))
+    pods = [
+        {
+            "metadata": {"name": f"chat-{i}"},
+            "status": {"podIP": f"127.0.1.{i}", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        for i in (1, 2)
+    ]
+    p = plan(_obj(SPEC), _world(deployment=dep, pods=pods))
     assert _conds(p)["Ready"]["status"] == "True"
     assert [(e.type, e.reason) for e in p.events] == [("Normal", "Ready")]
 

@@ -149,6 +149,7 @@ def test_unschedulable_and_replica_failure_are_degraded():
         )
     )
     c = _conds(compute_status(_observed(deployment=dep, pods=pods), [], NOW))
+    assert c["Ready"]["status"] == "False"
     assert c["Degraded"]["status"] == "True"
     assert c["Degraded"]["message"].startswith("deployment: FailedCreate: exceeded quota")
     assert "Insufficient nvidia.com/gpu" in c["Degraded"]["message"]
@@ -170,7 +171,8 @@ def test_transition_time_moves_only_on_change():
     same = compute_status(_observed(), first["conditions"], LATER)
     assert _conds(same)["Ready"]["lastTransitionTime"] == NOW
     dep = deployment_view(_deployment(ready=0))
-    changed = compute_status(_observed(deployment=dep), first["conditions"], LATER)
+    unready = [pod_view(_pod("a", ready=False)), pod_view(_pod("b", ready=False))]
+    changed = compute_status(_observed(deployment=dep, pods=unready), first["conditions"], LATER)
     assert _conds(changed)["Ready"]["lastTransitionTime"] == LATER
     assert _conds(changed)["Valid"]["lastTransitionTime"] == NOW
 
@@ -194,3 +196,9 @@ def test_apply_failures_show_as_degraded():
     assert "range is full" in c["Degraded"]["message"] and c["Degraded"]["lastTransitionTime"] == LATER
     assert failed["message"].startswith("the API refused: Service chat")
     assert c["Ready"] == _conds(status)["Ready"]
+
+
+def test_ready_follows_the_pods_not_the_lagging_deployment_counters():
+    lagging = deployment_view(_deployment(ready=0))
+    status = compute_status(_observed(deployment=lagging), [], NOW)
+    assert _conds(status)["Ready"]["status"] == "True" and status["readyReplicas"] == 2
