@@ -35,11 +35,8 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     if dtype == "auto":
         if device.type != "cuda":
             return torch.float32  # CPUs are slow at half precision matmuls
-        return (
-            DTYPES.get(config.torch_dtype or "", torch.bfloat16)
-            if config.torch_dtype != "float32"
-            else torch.bfloat16
-        )
+        # On a GPU: the checkpoint's half-precision dtype, else bfloat16.
+        return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
