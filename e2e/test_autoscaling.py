@@ -318,13 +318,14 @@ def _plot(result: Run) -> Path | None:
     axes[3].step(ts, [r["ready"] for r in result.rows], where="post", label="ready")
     axes[3].plot(ts, [r["recommendation"] for r in result.rows], ".", label="recommendation")
     axes[3].axhline(QUOTA, ls="--", c="red", label="quota (GPUs / GPUs per replica)")
+    axes[3].set_ylim(-0.2, 4.5)  # recommendations above are clipped: maxReplicas is 3, the quota 2
     axes[3].set_ylabel("replicas")
     axes[3].set_xlabel("seconds since the load started")
     for ax in axes:
         ax.legend(loc="upper right", fontsize=8)
         if result.load_end:
             ax.axvspan(0, result.load_end - t0, color="orange", alpha=0.08)
-    fig.suptitle("Flotilla autoscaling on the local cluster (load period shaded)")
+    fig.suptitle("Flotilla autoscaling on the local cluster (shaded: the load generator is running)")
     fig.tight_layout()
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / "autoscaling-timeline.png"

@@ -196,9 +196,11 @@ def decide(inputs: Inputs) -> Outcome:
     if not proposals:
         # HPA: with no metrics, do nothing but keep the bounds. Quota may refuse a raise to minReplicas.
         desired, limited_by, quota_limited = _clamp(inputs, current)
-        missing = sum(1 for p in inputs.pods if p.waiting is None)
+        ready_pods = [p for p in inputs.pods if p.ready]
+        silent = sum(1 for p in ready_pods if p.waiting is None)
         message = (
-            f"no metrics ({len(inputs.pods)} pods, {missing} did not answer); holding {current} replicas"
+            f"no metrics ({len(inputs.pods)} pods, {len(ready_pods)} ready, {silent} of those did not answer); "
+            f"holding {current} replicas"
         )
         if desired != current:
             message += f", moved to {desired} by {limited_by}"
