@@ -71,6 +71,10 @@ def review(
     """Whether the tenant may hold `new` for this service. `old` is the stored object's charge (None on
     create); `others` are the tenant's other services."""
     namespace, name = key
+    if old is not None and old.gpu_type == new.gpu_type and new.gpus <= old.gpus:
+        # Also the operator's own writes (annotations, finalizers) and everything in a namespace that
+        # lost its tenant or its quota: what is already admitted stays admitted.
+        return Verdict(True, "the change does not raise the service's GPU charge", "NotRaised")
     if tenant is None or tenant_spec is None:
         return Verdict(
             False,
@@ -108,13 +112,6 @@ def review(
             True,
             f"tenant {tenant}: {new.gpus} {new.gpu_type} GPUs admitted; {in_use + new.gpus} of {limit} in use",
             "WithinQuota",
-        )
-    if old is not None and old.gpu_type == new.gpu_type and new.gpus <= old.gpus:
-        return Verdict(
-            True,
-            f"tenant {tenant}: over quota ({in_use + new.gpus} of {limit} {new.gpu_type} GPUs), but this "
-            "change does not raise the service's charge",
-            "NotRaised",
         )
     holders = ", ".join(f"{ns}/{n}: {h.gpus}" for (ns, n), h in sorted((h.key, h) for h in same_type))
     return Verdict(

@@ -51,7 +51,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--priority", type=int, help="kopf peering priority (default: start time, newest active)"
     )
     run.add_argument("--verbose", action="store_true")
+    _add_tenancy_arguments(run)
     run.set_defaults(func=_run)
+
+
+def _add_tenancy_arguments(parser: argparse.ArgumentParser) -> None:
+    from flotilla.operator.tenancy_settings import add_arguments  # import-light: argparse, dataclasses
+
+    add_arguments(parser)
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +105,7 @@ def _check(expected: dict[Path, str]) -> int:
 def _run(args: argparse.Namespace) -> int:
     from flotilla.operator.config import OperatorConfig
     from flotilla.operator.runner import run_operator
+    from flotilla.operator.tenancy_settings import from_arguments
 
     defaults = OperatorConfig()
     config = OperatorConfig(
@@ -116,4 +124,5 @@ def _run(args: argparse.Namespace) -> int:
         standalone=args.standalone,
         priority=args.priority,
         verbose=args.verbose,
+        tenancy=from_arguments(args),
     )

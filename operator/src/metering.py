@@ -2,7 +2,7 @@
 
 A pod holds `gpus` from binding (its PodScheduled condition turning True) until it ends: its containers
 terminated (Succeeded/Failed: the last finishedAt), or it was deleted (the last finishedAt if the node
-reported one, else the moment deletion was requested).
+reported one, else the moment the operator saw it removed from the API).
 
 Exactly once: each metering round covers the interval (lastMeteredTime, now] and writes the new totals
 and the new lastMeteredTime in ONE status update, conditional on the Tenant's resourceVersion. A round
@@ -59,8 +59,9 @@ def pod_gpus(pod: Mapping) -> int:
     return total
 
 
-def span_of(pod: Mapping, *, deleted: bool = False) -> Span | None:
-    """The pod's GPU span, or None when it holds no GPUs or was never bound."""
+def span_of(pod: Mapping, *, removed_at: float | None = None) -> Span | None:
+    """The pod's GPU span, or None when it holds no GPUs or was never bound. `removed_at`: when the pod
+    was seen deleted from the API (a terminating pod holds its GPUs until its containers stop)."""
     gpus = pod_gpus(pod)
     status = pod.get("status") or {}
     scheduled = next(
@@ -83,11 +84,8 @@ def span_of(pod: Mapping, *, deleted: bool = False) -> Span | None:
     end = None
     if status.get("phase") in ("Succeeded", "Failed") and finished:
         end = max(finished)
-    elif deleted:
-        requested = parse_time(meta.get("deletionTimestamp"))
-        if requested is not None:
-            requested -= meta.get("deletionGracePeriodSeconds") or 0
-        end = max(finished) if finished else requested
+    elif removed_at is not None:
+        end = max(finished) if finished else removed_at
     if end is not None:
         end = max(end, start)
     return Span(

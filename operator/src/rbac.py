@@ -7,6 +7,7 @@ The e2e tests run the operator under this identity, so a missing verb fails them
 from __future__ import annotations
 
 import yaml
+from flotilla.operator import tenant_rbac
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, TENANT
 
 SERVICE_ACCOUNT = "flotilla-operator"
@@ -54,8 +55,9 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
 
 def manifests(namespace: str) -> list[dict]:
     rules = []
-    for group, resources, verbs, _why in RULES:
+    for group, resources, verbs, _why in RULES + tenant_rbac.OPERATOR_RULES:
         rules.append({"apiGroups": [group], "resources": resources, "verbs": verbs})
+    rules.append(tenant_rbac.BIND_RULE)
     labels = {"app.kubernetes.io/name": "flotilla-operator"}
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
@@ -77,6 +79,7 @@ def manifests(namespace: str) -> list[dict]:
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE},
             "subjects": [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": namespace}],
         },
+        *_tenancy_manifests(namespace, labels),
         {
             "apiVersion": "kopf.dev/v1",
             "kind": "ClusterKopfPeering",
@@ -85,11 +88,28 @@ def manifests(namespace: str) -> list[dict]:
     ]
 
 
+def _tenancy_manifests(namespace: str, labels: dict) -> list[dict]:
+    """The member role every Tenant's RoleBindings grant, and the Secret access for the webhook's CA."""
+    meta = {"name": ROLE, "namespace": namespace, "labels": labels}
+    return [
+        tenant_rbac.member_cluster_role(),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+         "rules": tenant_rbac.SECRET_RULES},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROLE},
+            "subjects": [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": namespace}],
+        },
+    ]  # fmt: skip
+
+
 def render(namespace: str) -> str:
     header = "# Generated from operator/src/rbac.py by `flotilla operator rbac`. Do not edit by hand.\n"
     notes = "".join(
         f"#   {group or 'core'}/{','.join(res)}: {','.join(verbs)} -- {why}\n"
-        for group, res, verbs, why in RULES
+        for group, res, verbs, why in RULES + tenant_rbac.OPERATOR_RULES
     )
     return (
         header

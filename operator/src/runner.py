@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flotilla.operator.config import OperatorConfig
+from flotilla.operator.tenancy_settings import TenancySettings
 
 log = logging.getLogger("flotilla.operator")
 
@@ -25,6 +26,7 @@ def run_operator(
     standalone: bool,
     priority: int | None = None,
     verbose: bool,
+    tenancy: TenancySettings | None = None,
 ) -> int:
     import kopf
 
@@ -38,7 +40,12 @@ def run_operator(
     from flotilla.operator import (
         autoscale_handlers,  # noqa: F401 (registers the autoscaler's daemon)
         handlers,  # registers the handlers with kopf
+        tenancy_handlers,  # metering, tenant RBAC and ResourceQuota
     )
+
+    tenancy_handlers.SETTINGS = tenancy or TenancySettings()
+    if tenancy_handlers.SETTINGS.webhook_port:
+        from flotilla.operator import admission_handlers  # noqa: F401 (kopf needs a server for these)
     from flotilla.operator.kube import Kube
     from flotilla.operator.metrics import serve
     from flotilla.operator.rbac import PEERING

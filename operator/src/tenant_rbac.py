@@ -124,3 +124,32 @@ def desired_objects(tenant: str, uid: str, spec: TenantSpec, namespaces: list[st
             }
         )
     return objects
+
+
+# What the operator itself needs for tenancy, merged into its RBAC by rbac.py: (apiGroup, resources,
+# verbs, why), as in rbac.RULES.
+OPERATOR_RULES: list[tuple[str, list[str], list[str], str]] = [
+    (GROUP, [f"{TENANT.plural}/status"], ["get", "update", "patch"], "metering writes usage and cost"),
+    (
+        "rbac.authorization.k8s.io",
+        ["clusterroles", "clusterrolebindings", "rolebindings"],
+        ["get", "list", "create", "patch", "delete"],
+        "members' access to their namespaces and their own Tenant",
+    ),
+    ("", ["resourcequotas"], ["get", "list", "create", "patch", "delete"], "GPU backstop per namespace"),
+    (
+        "admissionregistration.k8s.io",
+        ["validatingwebhookconfigurations"],
+        ["get", "list", "watch", "create", "patch"],
+        "kopf keeps the webhook configuration (--webhook-port)",
+    ),
+]
+# Binding the member role without holding its permissions; limited to that one role by name.
+BIND_RULE = {
+    "apiGroups": ["rbac.authorization.k8s.io"],
+    "resources": ["clusterroles"],
+    "resourceNames": [MEMBER_ROLE],
+    "verbs": ["bind"],
+}
+# In the operator's own namespace only: the webhook's CA and serving certificate.
+SECRET_RULES = [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "update"]}]
