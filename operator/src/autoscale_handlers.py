@@ -1,6 +1,7 @@
 """The autoscaler's kopf layer: one async daemon per InferenceService that has spec.autoscaling.
 
-Each period it scrapes the service's ready pods, asks the tenant's quota how far the service may grow,
+Each period it reads the service's signals (scraping its ready pods, or asking Prometheus when
+--prometheus-url is set), asks the tenant's quota how far the service may grow,
 runs the pure rule (autoscale_rule.decide via autoscaler.ServiceAutoscaler), and carries out the result:
 a PATCH of the InferenceService's scale subresource (the reconciler then resizes the Deployment, so quota
 and status stay in one place), status.autoscaling, an Event for every scale, and the gauges.
@@ -14,10 +15,10 @@ import time
 from datetime import UTC, datetime
 
 import kopf
-from flotilla.operator import autoscale_metrics
+from flotilla.operator import autoscale_metrics, prometheus_source
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, VERSION, Autoscaling
 from flotilla.operator.autoscaler import QUOTA_LIMITED, ServiceAutoscaler, autoscaling_status, scraped_pods
-from flotilla.operator.engine_metrics_scrape import scrape_all
+from flotilla.operator.engine_metrics_scrape import PodScraper
 from flotilla.operator.handlers import ISVC, Key, _one, _tenant_specs, runtime
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.quota import QuotaDecision, decide, tenant_for_namespace, used_gpus
@@ -78,6 +79,7 @@ class _Daemon:
     def __init__(self, key: Key) -> None:
         self.key = key
         self.scaler: ServiceAutoscaler | None = None
+        self.scraper: PodScraper | None = None
         self.written: dict | None = None
 
     async def decide_once(self, client, indexes: dict) -> int:
@@ -90,14 +92,25 @@ class _Daemon:
         autoscaling = Autoscaling.model_validate(spec["autoscaling"])
         current = int(spec.get("replicas", 1))
         if self.scaler is None:
-            self.scaler = ServiceAutoscaler(autoscaling.ttft_window_seconds)
+            self.scaler = ServiceAutoscaler()
+            self.scraper = PodScraper(autoscaling.ttft_window_seconds)
             self.written = (obj.get("status") or {}).get("autoscaling")
 
+        now = time.monotonic()
         pods = [pod_view(p) for p in indexes["pods"].get(self.key, [])]
-        scraped = await scrape_all(client, scraped_pods(pods))
+        targets = scraped_pods(pods)
+        window = autoscaling.ttft_window_seconds
+        prometheus_url = runtime().config.prometheus_url
+        if prometheus_url:
+            signals = await prometheus_source.collect(
+                client, prometheus_url, namespace, name, window, set(targets)
+            )
+        else:
+            live = {p.name for p in pods if not p.deleting}
+            signals = await self.scraper.collect(client, now, window, targets, live)
         quota = _quota(self.key, spec, indexes["tenants"], autoscaling.max_replicas, current)
         step = self.scaler.step(
-            now=time.monotonic(), spec=autoscaling, current=current, pods=pods, scraped=scraped, quota=quota
+            now=now, spec=autoscaling, current=current, pods=pods, signals=signals, quota=quota
         )
         outcome = step.outcome
         if step.errors:

@@ -1,19 +1,19 @@
 """One service's autoscaler between decisions, and the glue from observations to the rule and back.
 
-No I/O here: autoscale_handlers.py scrapes the pods, calls `step`, and writes what it returns (the
-scale, status.autoscaling, an Event, gauges). The state kept between decisions is the TTFT histogram
-window and the recommendation history; both live in memory, so an operator restart starts them afresh
-(the scale-down window then begins again, which errs on the side of keeping replicas).
+No I/O here: autoscale_handlers.py gets the Signals from a metrics source (pod scrapes or Prometheus),
+calls `step`, and writes what it returns (the scale, status.autoscaling, an Event, gauges). The state
+kept between decisions (the recommendation history, and the scraper's TTFT window) lives in memory, so
+an operator restart starts it afresh: the scale-down window then begins again, which errs on the side
+of keeping replicas.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from flotilla.operator.api import Autoscaling, AutoscalingMetrics, AutoscalingStatus, Condition
 from flotilla.operator.autoscale_rule import Inputs, Outcome, PodSample, Policy, Recommendation, decide
-from flotilla.operator.engine_metrics_scrape import EngineSample, ScrapeError
-from flotilla.operator.histogram_window import WindowedHistogram
+from flotilla.operator.autoscale_signals import Signals
 from flotilla.operator.quota import QuotaDecision
 from flotilla.operator.status import PodView, merge_transition_times
 
@@ -41,17 +41,14 @@ def scraped_pods(pods: list[PodView]) -> dict[str, str]:
 class Step:
     outcome: Outcome
     metrics: AutoscalingMetrics
-    errors: dict[str, str]  # pod -> why its scrape failed
+    errors: dict[str, str]  # pod -> why it did not report
 
 
 @dataclass
 class ServiceAutoscaler:
-    ttft_window: float
-    window: WindowedHistogram = field(init=False)
-    history: tuple[Recommendation, ...] = ()
+    """The recommendation history between decisions (the metrics source keeps its own state)."""
 
-    def __post_init__(self) -> None:
-        self.window = WindowedHistogram(self.ttft_window)
+    history: tuple[Recommendation, ...] = ()
 
     def step(
         self,
@@ -60,27 +57,20 @@ class ServiceAutoscaler:
         spec: Autoscaling,
         current: int,
         pods: list[PodView],
-        scraped: dict[str, EngineSample | ScrapeError],
+        signals: Signals,
         quota: QuotaDecision | None,
     ) -> Step:
         """`quota` is the tenant's answer to "may this service run maxReplicas?" (None: no tenant)."""
-        if spec.ttft_window_seconds != self.window.window:
-            self.window.window = spec.ttft_window_seconds
         live = [p for p in pods if not p.deleting]
-        ok = {n: s for n, s in scraped.items() if isinstance(s, EngineSample)}
-        errors = {n: str(s) for n, s in scraped.items() if isinstance(s, ScrapeError)}
-        self.window.observe(now, {n: s.ttft_buckets for n, s in ok.items() if s.ttft_buckets})
-        self.window.forget({p.name for p in live})
-
-        samples = [PodSample(p.name, p.ready, ok[p.name].waiting if p.name in ok else None) for p in live]
+        samples = [PodSample(p.name, p.ready, signals.waiting.get(p.name)) for p in live]
         ready = [s for s in samples if s.ready]
         answered = [s.waiting for s in ready if s.waiting is not None]
         inputs = Inputs(
             now=now,
             current=current,
             pods=samples,
-            ttft_p95=self.window.quantile(0.95),
-            ttft_complete=not errors and len(answered) == len(ready),
+            ttft_p95=signals.ttft_p95,
+            ttft_complete=not signals.errors and len(answered) == len(ready),
             policy=policy_for(spec),
             history=self.history,
             quota_max=None if quota is None or quota.admitted else quota.replicas,
@@ -88,16 +78,15 @@ class ServiceAutoscaler:
         )
         outcome = decide(inputs)
         self.history = outcome.history
-        kv = [ok[n].kv_usage for n in ok if ok[n].kv_usage is not None]
         metrics = AutoscalingMetrics(
-            ttft_p95_seconds=inputs.ttft_p95,
+            ttft_p95_seconds=signals.ttft_p95,
             queue_depth_per_replica=sum(answered) / len(answered) if answered else None,
-            kv_cache_usage_ratio=max(kv) if kv else None,
+            kv_cache_usage_ratio=signals.kv_usage,
             ready_pods=len(ready),
-            pods_scraped=len(ok),
-            pods_unanswered=len(errors),
+            pods_scraped=len(signals.waiting),
+            pods_unanswered=len(signals.errors),
         )
-        return Step(outcome, metrics, errors)
+        return Step(outcome, metrics, dict(signals.errors))
 
 
 def _cond(type_: str, ok: bool, reason: str, message: str) -> Condition:

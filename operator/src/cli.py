@@ -40,6 +40,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--default-image", help="engine image when a spec names none")
     run.add_argument("--hf-cache-dir", help="resolve hf://org/name to DIR/org/name on the node")
     run.add_argument(
+        "--prometheus-url", help="autoscaler reads engine metrics from this Prometheus (default: scrape pods)"
+    )
+    run.add_argument(
         "--no-model-path-check",
         action="store_true",
         help="do not check file:// model paths on this machine (a real cluster's nodes have their own disks)",
@@ -111,6 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     config = OperatorConfig(
         default_image=args.default_image or defaults.default_image,
         hf_cache_dir=args.hf_cache_dir,
+        prometheus_url=args.prometheus_url,
         check_local_model_paths=not args.no_model_path_check,
     )
     return run_operator(

@@ -22,3 +22,6 @@ class OperatorConfig:
     # Startup probe budget for slow model loads: period x failures.
     startup_probe_period_seconds: int = 5
     startup_probe_failures: int = 120
+    # The autoscaler's metrics source: unset, it scrapes each engine pod's /metrics; set, it asks this
+    # Prometheus server (which must label engine series with namespace and pod) with PromQL.
+    prometheus_url: str | None = None

@@ -1,4 +1,7 @@
-"""Reading an engine pod's GET /metrics: the parse is pure, the fetch is one HTTP GET per pod.
+"""The default metrics source: each ready engine pod's GET /metrics, scraped once per period.
+
+The parse is pure; the fetch is one HTTP GET per pod. TTFT p95 comes from histogram increases between
+scrapes (histogram_window.py), so this source keeps state per service: a `PodScraper`.
 
 Pods are scraped by IP, not through their Service: it is per-pod figures the rule needs (and on the local
 cluster Services have no endpoints at all, as pod IPs are loopback addresses).
@@ -10,8 +13,9 @@ import asyncio
 import math
 from dataclasses import dataclass
 
+from flotilla.operator.autoscale_signals import Signals
 from flotilla.operator.config import ENGINE_PORT
-from flotilla.operator.histogram_window import Buckets
+from flotilla.operator.histogram_window import Buckets, WindowedHistogram
 from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "flotilla_time_to_first_token_seconds"
@@ -88,3 +92,29 @@ async def scrape_all(client, pod_ips: dict[str, str]) -> dict[str, EngineSample 
             result = ScrapeError(f"{type(result).__name__}: {result}")
         out[name] = result
     return out
+
+
+class PodScraper:
+    """One service's scrape state: the TTFT window and each pod's last histogram."""
+
+    def __init__(self, window_seconds: float) -> None:
+        self.window = WindowedHistogram(window_seconds)
+
+    def signals(self, now: float, scraped: dict[str, EngineSample | ScrapeError], live: set[str]) -> Signals:
+        """Pure: one round of scrapes (pod name -> sample or error) into the period's signals."""
+        ok = {n: s for n, s in scraped.items() if isinstance(s, EngineSample)}
+        self.window.observe(now, {n: s.ttft_buckets for n, s in ok.items() if s.ttft_buckets})
+        self.window.forget(live)
+        kv = [s.kv_usage for s in ok.values() if s.kv_usage is not None]
+        return Signals(
+            waiting={n: s.waiting for n, s in ok.items()},
+            ttft_p95=self.window.quantile(0.95),
+            kv_usage=max(kv) if kv else None,
+            errors={n: str(s) for n, s in scraped.items() if isinstance(s, ScrapeError)},
+        )
+
+    async def collect(
+        self, client, now: float, window_seconds: float, pod_ips: dict[str, str], live: set[str]
+    ):
+        self.window.window = window_seconds
+        return self.signals(now, await scrape_all(client, pod_ips), live)

@@ -9,7 +9,7 @@ from flotilla.engine.metrics import EngineMetrics
 from flotilla.engine.outputs import EngineStats
 from flotilla.operator.api import Autoscaling
 from flotilla.operator.autoscaler import ServiceAutoscaler, autoscaling_status, scraped_pods
-from flotilla.operator.engine_metrics_scrape import ScrapeError, parse_engine_metrics
+from flotilla.operator.engine_metrics_scrape import PodScraper, ScrapeError, parse_engine_metrics
 from flotilla.operator.quota import QuotaDecision
 from flotilla.operator.status import PodView
 from prometheus_client import generate_latest
@@ -60,15 +60,16 @@ def test_scraped_pods_are_the_ready_live_ones():
 
 
 def test_steps_from_scrapes_to_status():
-    engine = FakeEngine()
-    scaler = ServiceAutoscaler(ttft_window=30)
-    sample = parse_engine_metrics(engine.serve())
-    first = scaler.step(now=0, spec=spec(), current=1, pods=[pod("a")], scraped={"a": sample}, quota=None)
+    engine, scraper, scaler = FakeEngine(), PodScraper(30), ServiceAutoscaler()
+    signals = scraper.signals(0, {"a": parse_engine_metrics(engine.serve())}, {"a"})
+    first = scaler.step(now=0, spec=spec(), current=1, pods=[pod("a")], signals=signals, quota=None)
     assert (first.outcome.desired, first.outcome.limited_by) == (1, "MinReplicas")  # idle: 0, kept at min
     assert first.metrics.ttft_p95_seconds is None  # a baseline: no requests in the window yet
 
-    sample = parse_engine_metrics(engine.serve(ttfts=[1.2] * 20, waiting=6))
-    step = scaler.step(now=5, spec=spec(), current=1, pods=[pod("a")], scraped={"a": sample}, quota=None)
+    signals = scraper.signals(
+        5, {"a": parse_engine_metrics(engine.serve(ttfts=[1.2] * 20, waiting=6))}, {"a"}
+    )
+    step = scaler.step(now=5, spec=spec(), current=1, pods=[pod("a")], signals=signals, quota=None)
     assert step.metrics.ttft_p95_seconds == pytest.approx(1.475)  # 95% into the (1.0, 1.5] bucket
     assert step.metrics.queue_depth_per_replica == 6
     assert step.outcome.proposals == {"queueDepth": 3, "ttftP95": 3}
@@ -86,15 +87,14 @@ def test_steps_from_scrapes_to_status():
 
 
 def test_quota_decision_caps_and_sets_the_condition():
-    engine = FakeEngine()
-    scaler = ServiceAutoscaler(ttft_window=30)
+    engine, scaler = FakeEngine(), ServiceAutoscaler()
     refused = QuotaDecision(2, False, "QuotaExceeded", "tenant team-a: the quota is 2")
     step = scaler.step(
         now=0,
         spec=spec(),
         current=1,
         pods=[pod("a")],
-        scraped={"a": parse_engine_metrics(engine.serve(waiting=20))},
+        signals=PodScraper(30).signals(0, {"a": parse_engine_metrics(engine.serve(waiting=20))}, {"a"}),
         quota=refused,
     )
     assert (step.outcome.desired, step.outcome.quota_limited) == (2, True)
@@ -104,13 +104,14 @@ def test_quota_decision_caps_and_sets_the_condition():
 
 
 def test_all_scrapes_failing_holds_and_keeps_the_old_scale_time():
-    scaler = ServiceAutoscaler(ttft_window=30)
+    scaler = ServiceAutoscaler()
+    failed = {n: ScrapeError("refused") for n in "abc"}
     step = scaler.step(
         now=0,
         spec=spec(),
         current=3,
         pods=[pod("a"), pod("b"), pod("c")],
-        scraped={n: ScrapeError("refused") for n in "abc"},
+        signals=PodScraper(30).signals(0, failed, set("abc")),
         quota=None,
     )
     assert (step.outcome.desired, step.outcome.reason) == (3, "NoMetrics")
