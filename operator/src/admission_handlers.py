@@ -161,7 +161,8 @@ def admit_scale(body, namespace: str, name: str, dryrun: bool, **kwargs) -> None
     API_CALLS.labels(verb="get", resource="inferenceservices").inc()
     current = runtime().kube.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, ISVC[2], name)
     spec = dict(current.get("spec") or {})
-    new = {**spec, "replicas": (body.get("spec") or {}).get("replicas", spec.get("replicas", 1))}
+    # Scale.spec.replicas is omitted when it is 0 (omitempty).
+    new = {**spec, "replicas": (body.get("spec") or {}).get("replicas", 0)}
     _admit(namespace, name, new, spec, dryrun, kwargs)
 
 

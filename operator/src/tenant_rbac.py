@@ -130,6 +130,7 @@ def desired_objects(tenant: str, uid: str, spec: TenantSpec, namespaces: list[st
 # verbs, why), as in rbac.RULES.
 OPERATOR_RULES: list[tuple[str, list[str], list[str], str]] = [
     (GROUP, [f"{TENANT.plural}/status"], ["get", "update", "patch"], "metering writes usage and cost"),
+    (GROUP, [TENANT.plural], ["patch"], "kopf's finalizer and annotations for the metering daemons"),
     (
         "rbac.authorization.k8s.io",
         ["clusterroles", "clusterrolebindings", "rolebindings"],
@@ -139,7 +140,7 @@ OPERATOR_RULES: list[tuple[str, list[str], list[str], str]] = [
     ("", ["resourcequotas"], ["get", "list", "create", "patch", "delete"], "GPU backstop per namespace"),
     (
         "admissionregistration.k8s.io",
-        ["validatingwebhookconfigurations"],
+        ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"],
         ["get", "list", "watch", "create", "patch"],
         "kopf keeps the webhook configuration (--webhook-port)",
     ),

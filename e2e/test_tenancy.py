@@ -1,0 +1,445 @@
+"""Tenancy on the real local cluster: two Tenants, the admission webhook (TLS from the operator's own CA,
+failurePolicy Fail), RBAC isolation with real client certificates, and GPU metering that survives
+SIGKILLed operators and matches the pods' own timestamps.
+
+The operator runs as a subprocess under its least-privilege ServiceAccount with --webhook-port, so the
+API server calls it at https://127.0.0.1:PORT. The webhook configuration is removed afterwards: with
+failurePolicy Fail, a configuration whose operator is gone would refuse every later InferenceService.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from prometheus_client.parser import text_string_to_metric_families
+
+from flotilla.cluster.testing import ClusterHandle, wait_for
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[1]
+OPERATOR_NS, OPERATOR_SA = "flotilla-system", "flotilla-operator"
+WEBHOOK_CONFIG = "flotilla.dev"
+METERING_INTERVAL = 2.0
+RUN = uuid.uuid4().hex[:5]  # names of cluster-scoped objects differ per run
+MODEL_DIR = Path(f"/tmp/flotilla-tenancy-model-{RUN}")  # exists; the engine is not started on it here
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Operator:
+    """`flotilla operator run --webhook-port` as a subprocess (restartable, SIGKILL-able)."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path):
+        self.kubeconfig, self.log_path = kubeconfig, log_path
+        self.metrics_port, self.webhook_port = _free_port(), _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(self.kubeconfig),
+             "--metrics-port", str(self.metrics_port), "--webhook-port", str(self.webhook_port),
+             "--metering-interval", str(METERING_INTERVAL)],
+            stdout=self.log_path.open("a"), stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd=self.log_path.parent,
+        )  # fmt: skip
+        wait_for(
+            lambda: self.get("/healthz")[0] == 200, 60, f"the operator's /healthz (log: {self.log_path})"
+        )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def get(self, path: str) -> tuple[int, str]:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"the operator exited with {self.proc.returncode}; see {self.log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5) as rsp:
+                return rsp.status, rsp.read().decode()
+        except OSError as exc:
+            return 0, str(exc)
+
+
+def _kubeconfig(cluster: ClusterHandle, path: Path, user: dict) -> Path:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "local",
+                "cluster": {
+                    "server": cluster.config.server,
+                    "certificate-authority": str(cluster.config.pki_dir / "ca.crt"),
+                },
+            }
+        ],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "local", "user": "u"}}],
+        "current-context": "c",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _user_kubeconfig(cluster: ClusterHandle, workdir: Path, user: str, group: str) -> Path:
+    """A real identity: a client certificate (CN=user, O=group) signed by the cluster's CA."""
+    pki = cluster.config.pki_dir
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    subject = x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, group), x509.NameAttribute(NameOID.COMMON_NAME, user)]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=2))
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    crt, pem = workdir / f"{user}.crt", workdir / f"{user}.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return _kubeconfig(
+        cluster, workdir / f"{user}.kubeconfig", {"client-certificate": str(crt), "client-key": str(pem)}
+    )
+
+
+def _tenant(name: str, namespaces: list[str], quota: int, group: str, **extra) -> str:
+    spec = {
+        "namespaces": namespaces,
+        "gpuQuota": {"h100": quota},
+        "pricePerGPUHour": {"h100": 3.6},
+        "members": [{"kind": "Group", "name": group}],
+        **extra,
+    }
+    return yaml.safe_dump(
+        {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": name}, "spec": spec}
+    )
+
+
+def _isvc(name: str, replicas: int = 1, gpus: int = 1, gpu_type: str = "h100", **spec) -> str:
+    body = {
+        "model": {"uri": f"file://{MODEL_DIR}", "servedName": "tiny"},
+        "resources": {"gpus": gpus, "gpuType": gpu_type},
+        "replicas": replicas,
+        **spec,
+    }
+    return yaml.safe_dump(
+        {
+            "apiVersion": "flotilla.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name},
+            "spec": body,
+        }
+    )
+
+
+def _as(cluster: ClusterHandle, kubeconfig: Path, *args: str, input: str | None = None):
+    """kubectl as another identity (the handle's kubectl is the admin)."""
+    from flotilla.cluster.control_plane import kubectl_path
+
+    return subprocess.run(
+        [str(kubectl_path()), f"--kubeconfig={kubeconfig}", *args],
+        capture_output=True, text=True, input=input, timeout=60,
+    )  # fmt: skip
+
+
+class Env:
+    def __init__(self, cluster, operator, workdir):
+        self.cluster, self.operator, self.workdir = cluster, operator, workdir
+        self.tenant_a, self.tenant_b = f"team-a-{RUN}", f"team-b-{RUN}"
+        self.ns_a, self.ns_b = f"ta-{RUN}", f"tb-{RUN}"
+        self.alice = _user_kubeconfig(cluster, workdir, f"alice-{RUN}", f"devs-a-{RUN}")
+        self.bob = _user_kubeconfig(cluster, workdir, f"bob-{RUN}", f"devs-b-{RUN}")
+
+
+@pytest.fixture(scope="module")
+def env(cluster: ClusterHandle, tmp_path_factory):
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
+    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "operator-rbac.yaml"))
+    workdir = tmp_path_factory.mktemp("tenancy")
+    MODEL_DIR.mkdir(exist_ok=True)
+    token = cluster.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=2h").stdout.strip()
+    operator = Operator(
+        _kubeconfig(cluster, workdir / "operator.kubeconfig", {"token": token}), workdir / "operator.log"
+    )
+    e = Env(cluster, operator, workdir)
+    for ns in (e.ns_a, e.ns_b):
+        cluster.kubectl("create", "namespace", ns)
+    operator.start()
+    try:
+        # The webhook is live once kopf has registered it and answers: a tenantless create is refused.
+        wait_for(
+            lambda: (
+                "belongs to no tenant"
+                in cluster.kubectl(
+                    "apply", "-n", e.ns_a, "--dry-run=server", "-f", "-", input=_isvc("probe"), check=False
+                ).stderr
+            ),
+            60,
+            "the admission webhook to answer",
+        )
+        cluster.apply(_tenant(e.tenant_a, [e.ns_a], 2, f"devs-a-{RUN}", maxServices=3))
+        cluster.apply(_tenant(e.tenant_b, [e.ns_b], 2, f"devs-b-{RUN}"))
+        yield e
+    finally:
+        operator.stop()
+        cluster.kubectl("delete", "validatingwebhookconfiguration", WEBHOOK_CONFIG, "--ignore-not-found")
+        for ns in (e.ns_a, e.ns_b):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        cluster.kubectl(
+            "delete", "tenant", e.tenant_a, e.tenant_b, "--ignore-not-found", "--wait=false", check=False
+        )
+
+
+def _webhook(cluster: ClusterHandle) -> dict:
+    return cluster.get_json("validatingwebhookconfiguration", WEBHOOK_CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_webhook_is_tls_from_a_ca_in_a_secret_with_fail_policy(env):
+    config = _webhook(env.cluster)
+    secret = env.cluster.get_json("secret", "flotilla-webhook-tls", "-n", OPERATOR_NS)
+    assert set(secret["data"]) >= {"ca.crt", "tls.crt", "tls.key"}
+    hooks = config["webhooks"]
+    assert hooks and all(h["failurePolicy"] == "Fail" for h in hooks)
+    for hook in hooks:
+        assert hook["clientConfig"]["url"].startswith(f"https://127.0.0.1:{env.operator.webhook_port}/")
+        assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    resources = {r for h in hooks for rule in h["rules"] for r in rule["resources"]}
+    assert resources >= {"inferenceservices", "inferenceservices/scale", "tenants"}
+
+
+def test_over_quota_apply_is_refused_with_the_full_message(env):
+    c, ns, tenant = env.cluster, env.ns_a, env.tenant_a
+    c.apply(_isvc("chat", replicas=2), ns)
+    refused = c.kubectl("apply", "-n", ns, "-f", "-", input=_isvc("extra", replicas=1), check=False)
+    assert refused.returncode != 0
+    for words in (f"tenant {tenant}", f"{ns}/extra", "replicas 1 x 1 h100 GPUs = 1 h100 GPUs",
+                  "h100 quota is 2", "2 are in use", f"{ns}/chat: 2", "0 remain"):  # fmt: skip
+        assert words in refused.stderr, refused.stderr
+
+    # An autoscaled service is charged maxReplicas x gpus, whatever it runs now.
+    auto = _isvc("auto", replicas=1, autoscaling={"minReplicas": 1, "maxReplicas": 3})
+    c.kubectl("scale", "fisvc", "chat", "-n", ns, "--replicas", "0")
+    refused = c.kubectl("apply", "-n", ns, "-f", "-", input=auto, check=False)
+    assert "maxReplicas 3 x 1 h100 GPUs = 3 h100 GPUs" in refused.stderr, refused.stderr
+    # kubectl scale goes through the scale subresource, and is charged the same way.
+    refused = c.kubectl("scale", "fisvc", "chat", "-n", ns, "--replicas", "3", check=False)
+    assert refused.returncode != 0 and "h100 quota is 2" in refused.stderr, refused.stderr
+    c.kubectl("scale", "fisvc", "chat", "-n", ns, "--replicas", "2")
+
+    other_type = c.kubectl("apply", "-n", ns, "-f", "-", input=_isvc("a100", gpu_type="a100"), check=False)
+    assert "GPU type 'a100'" in other_type.stderr and "h100 (limit 2)" in other_type.stderr, other_type.stderr
+    c.kubectl("create", "namespace", f"nobody-{RUN}")
+    try:
+        orphan = c.kubectl("apply", "-n", f"nobody-{RUN}", "-f", "-", input=_isvc("x"), check=False)
+        assert f"namespace nobody-{RUN} belongs to no tenant" in orphan.stderr, orphan.stderr
+    finally:
+        c.kubectl("delete", "namespace", f"nobody-{RUN}", "--wait=false")
+
+
+def test_parallel_applies_cannot_both_pass_into_over_quota(env, cluster):
+    tenant, ns = f"race-{RUN}", f"race-{RUN}"
+    cluster.kubectl("create", "namespace", ns)
+    cluster.apply(_tenant(tenant, [ns], 2, f"race-{RUN}"))
+    try:
+
+        def apply(i: int) -> bool:
+            manifest = _isvc(f"r{i}", replicas=1)
+            return cluster.kubectl("apply", "-n", ns, "-f", "-", input=manifest, check=False).returncode == 0
+
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            results = list(pool.map(apply, range(6)))
+        stored = cluster.get_json("fisvc", "-n", ns)["items"]
+        assert sum(results) == 2 and len(stored) == 2, (results, [s["metadata"]["name"] for s in stored])
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+        cluster.kubectl("delete", "tenant", tenant, "--wait=false")
+
+
+def test_bad_tenants_are_refused(env, cluster):
+    taken = cluster.kubectl(
+        "apply", "-f", "-", input=_tenant(f"thief-{RUN}", [env.ns_a], 1, "x"), check=False
+    )
+    assert taken.returncode != 0
+    assert f"namespace {env.ns_a} already belongs to tenant {env.tenant_a}" in taken.stderr, taken.stderr
+    negative = cluster.kubectl(
+        "apply", "-f", "-", input=_tenant(f"neg-{RUN}", [f"neg-{RUN}"], -1, "x"), check=False
+    )
+    assert negative.returncode != 0 and "spec.gpuQuota.h100" in negative.stderr, negative.stderr
+
+
+def test_members_are_isolated_in_both_directions(env, cluster):
+    pairs = [
+        (env.alice, env.ns_a, env.tenant_a, env.ns_b, env.tenant_b),
+        (env.bob, env.ns_b, env.tenant_b, env.ns_a, env.tenant_a),
+    ]
+    # The operator derives RoleBindings from members; wait until they exist.
+    for _, ns, tenant, _, _ in pairs:
+        wait_for(lambda ns=ns, tenant=tenant: cluster.kubectl("get", "rolebinding", f"flotilla-tenant-{tenant}", "-n", ns, check=False).returncode == 0,
+                 60, f"the RoleBinding in {ns}")  # fmt: skip
+    for who, own_ns, own, other_ns, other in pairs:
+        ok = _as(cluster, who, "apply", "-n", own_ns, "-f", "-", input=_isvc("mine", replicas=0))
+        assert ok.returncode == 0, ok.stderr
+        assert _as(cluster, who, "get", "fisvc", "-n", own_ns).returncode == 0
+        assert _as(cluster, who, "get", "pods", "-n", own_ns).returncode == 0
+        assert _as(cluster, who, "get", "tenant", own).returncode == 0
+        for args in (("get", "fisvc", "-n", other_ns), ("get", "fisvc", "chat", "-n", other_ns),
+                     ("patch", "fisvc", "mine", "-n", other_ns, "--type=merge", "-p", '{"spec":{"replicas":1}}'),
+                     ("get", "tenant", other),
+                     ("patch", "tenant", own, "--type=merge", "-p", '{"spec":{"gpuQuota":{"h100":100}}}'),
+                     ("get", "pods", "-n", other_ns)):  # fmt: skip
+            result = _as(cluster, who, *args)
+            assert result.returncode != 0 and "forbidden" in result.stderr.lower(), (args, result.stderr)
+        pod = {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sneaky"},
+            "spec": {"containers": [{"name": "c", "image": "x", "command": ["sleep", "1"],
+                                     "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+        }  # fmt: skip
+        direct = _as(cluster, who, "apply", "-n", own_ns, "-f", "-", input=yaml.safe_dump(pod))
+        assert direct.returncode != 0 and "forbidden" in direct.stderr.lower(), direct.stderr
+        cluster.kubectl("delete", "fisvc", "mine", "-n", own_ns)
+
+
+def test_resource_quota_backstops_gpu_pods_from_anyone(env, cluster):
+    quota = wait_for(lambda: cluster.kubectl("get", "resourcequota", f"flotilla-tenant-{env.tenant_b}", "-n", env.ns_b, "-o", "json", check=False).stdout,
+                     60, "the ResourceQuota")  # fmt: skip
+    assert json.loads(quota)["spec"]["hard"] == {"requests.nvidia.com/gpu": "2"}
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "big"},
+        "spec": {"containers": [{"name": "c", "image": "x", "command": ["sleep", "1"],
+                                 "resources": {"limits": {"nvidia.com/gpu": "3"}}}]},
+    }  # fmt: skip
+    result = wait_for(
+        lambda: (
+            (
+                r := cluster.kubectl(
+                    "apply", "-n", env.ns_b, "-f", "-", input=yaml.safe_dump(pod), check=False
+                )
+            ).returncode
+            and r
+        ),
+        30,
+        "the admin's 3-GPU pod to be refused by the ResourceQuota",
+    )
+    assert "exceeded quota" in result.stderr, result.stderr
+
+
+def _pods(cluster, namespace) -> list[dict]:
+    return cluster.get_json("pods", "-n", namespace)["items"]
+
+
+def _scheduled(pod: dict) -> float:
+    cond = next(c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled")
+    return dt.datetime.fromisoformat(cond["lastTransitionTime"].replace("Z", "+00:00")).timestamp()
+
+
+def _exact_gpu_seconds(pods: list[dict], until: str) -> float:
+    end = dt.datetime.fromisoformat(until.replace("Z", "+00:00")).timestamp()
+    return sum(end - _scheduled(p) for p in pods)  # one GPU per pod
+
+
+def _usage(env, *args: str) -> subprocess.CompletedProcess:
+    """`flotilla usage` as a tenant member (alice may get only her own Tenant)."""
+    return subprocess.run(
+        [sys.executable, "-m", "flotilla.cli", "usage", *args, "--kubeconfig", str(env.alice)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )  # fmt: skip
+
+
+def test_metering_survives_killed_operators_and_matches_pod_lifetimes(env, cluster):
+    ns, tenant = env.ns_a, env.tenant_a
+    cluster.kubectl("scale", "fisvc", "chat", "-n", ns, "--replicas", "0")
+    wait_for(lambda: not _pods(cluster, ns), 90, "chat's old pods to go")
+    cluster.apply(_isvc("metered", replicas=2), ns)
+    pods = wait_for(
+        lambda: (p := [p for p in _pods(cluster, ns) if p["spec"].get("nodeName")]) and len(p) == 2 and p,
+        90,
+        "2 bound pods",
+    )
+    for _ in range(3):
+        time.sleep(METERING_INTERVAL * 1.5)
+        env.operator.stop(signal.SIGKILL)
+        env.operator.start()
+    before = cluster.get_json("tenant", tenant)["status"]["lastMeteredTime"]
+    status = wait_for(
+        lambda: (s := cluster.get_json("tenant", tenant)["status"])["lastMeteredTime"] != before and s,
+        30,
+        "a metering round by the restarted operator",
+    )
+    assert {p["metadata"]["uid"] for p in _pods(cluster, ns)} == {p["metadata"]["uid"] for p in pods}
+    exact = _exact_gpu_seconds(pods, status["lastMeteredTime"])
+    metered = status["usage"]["total"]["byService"][f"{ns}/metered"]
+    # PodScheduled times have whole seconds: up to one second per pod on top of the interval.
+    tolerance = METERING_INTERVAL + len(pods)
+    assert abs(metered - exact) <= tolerance, (metered, exact)
+    assert status["gpusAllocated"] == {"h100": 2} and status["gpuQuota"] == {"h100": 2}
+    assert status["cost"] == pytest.approx(status["usage"]["total"]["total"] / 3600 * 3.6, rel=1e-3)
+
+    report = _usage(env, "--tenant", tenant, "--format", "json")
+    assert report.returncode == 0, report.stderr
+    (tenant_report,) = json.loads(report.stdout)["tenants"]
+    (row,) = [r for r in tenant_report["rows"] if r["service"] == "metered"]
+    exact = _exact_gpu_seconds(pods, tenant_report["last_metered_time"])
+    assert abs(row["gpu_seconds"] - exact) <= tolerance, (row, exact)
+    table = _usage(env, "--tenant", tenant)
+    assert "GPU SECONDS" in table.stdout and "metered" in table.stdout, table.stdout
+    assert _usage(env, "--tenant", env.tenant_b).returncode != 0  # not alice's tenant
+
+    metrics = wait_for(
+        lambda: (m := env.operator.get("/metrics")[1]) and f'tenant="{tenant}"' in m and m,
+        30,
+        "tenant series",
+    )
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    h100 = (("gpu_type", "h100"), ("tenant", tenant))
+    assert samples[("flotilla_tenant_gpu_quota", h100)] == 2
+    assert samples[("flotilla_tenant_gpus_allocated", h100)] == 2
+    key = (("gpu_type", "h100"), ("namespace", ns), ("service", "metered"), ("tenant", tenant))
+    assert samples[("flotilla_tenant_gpu_seconds_total", key)] >= metered
