@@ -1,0 +1,85 @@
+"""Metering: spans from pods, exactly-once rounds, day buckets, views, cost and token counters."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from flotilla.operator.api import MeteringLedger, TokenCount
+from flotilla.operator.metering import cost, count_tokens, meter, span_of, split_by_day, usage_views
+
+
+def ts(text: str) -> float:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+def pod(uid="u1", gpus=2, scheduled="2026-01-01T10:00:00Z", phase="Running", finished=None) -> dict:
+    statuses = [{"state": {"terminated": {"finishedAt": finished}}}] if finished else []
+    return {
+        "metadata": {"uid": uid, "namespace": "ns", "labels": {"flotilla.dev/inferenceservice": "chat"}},
+        "spec": {"nodeSelector": {"flotilla.dev/gpu-type": "h100"},
+                 "containers": [{"resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]},
+        "status": {"phase": phase, "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled}],
+                   "containerStatuses": statuses},
+    }  # fmt: skip
+
+
+def test_span_from_binding_to_termination_or_removal():
+    span = span_of(pod())
+    assert (
+        span.key == "ns/chat/h100"
+        and span.gpus == 2
+        and span.start == ts("2026-01-01T10:00:00")
+        and span.end is None
+    )
+    done = span_of(pod(phase="Succeeded", finished="2026-01-01T10:01:00Z"))
+    assert done.end == ts("2026-01-01T10:01:00")
+    assert span_of(pod(), removed_at=ts("2026-01-01T10:00:30")).end == ts("2026-01-01T10:00:30")
+    assert span_of(pod(gpus=0)) is None
+    unbound = pod()
+    unbound["status"]["conditions"] = []
+    assert span_of(unbound) is None
+
+
+def test_rounds_count_each_second_once_whatever_the_split():
+    span = span_of(pod(gpus=2))
+    start = span.start
+    one = meter(MeteringLedger(), [span], None, start + 100)
+    # The same 100 s in rounds that stop and start anywhere (an operator killed between them).
+    ledger, since = MeteringLedger(), None
+    for until in (start + 7, start + 7.5, start + 40, start + 100):
+        ledger, since = meter(ledger, [span], since, until), until
+    assert one.total == {"ns/chat/h100": 200.0}
+    assert abs(ledger.total["ns/chat/h100"] - 200.0) < 1e-9
+
+
+def test_ended_pods_and_day_boundaries():
+    span = span_of(pod(gpus=1, scheduled="2026-01-01T23:59:00Z"), removed_at=ts("2026-01-02T00:01:00"))
+    ledger = meter(MeteringLedger(), [span], ts("2026-01-01T23:00:00"), ts("2026-01-02T01:00:00"))
+    assert ledger.daily == {"2026-01-01": {"ns/chat/h100": 60.0}, "2026-01-02": {"ns/chat/h100": 60.0}}
+    assert list(split_by_day(ts("2026-01-01T23:00:00"), ts("2026-01-01T23:30:00"))) == [
+        ("2026-01-01", 1800.0)
+    ]
+    views = usage_views(ledger, ts("2026-01-02T12:00:00"))
+    assert (
+        views.today.total == 60 and views.month.total == 120 and views.total.by_service == {"ns/chat": 120.0}
+    )
+    assert views.total.by_namespace == {"ns": 120.0} and views.total.by_gpu_type == {"h100": 120.0}
+
+
+def test_old_daily_buckets_are_pruned():
+    old = MeteringLedger(daily={"2025-01-01": {"ns/chat/h100": 5.0}}, total={"ns/chat/h100": 5.0})
+    ledger = meter(old, [], ts("2026-01-01T00:00:00"), ts("2026-01-01T00:00:10"))
+    assert ledger.daily == {} and ledger.total == {"ns/chat/h100": 5.0}
+
+
+def test_cost_is_gpu_hours_times_price():
+    assert cost({"h100": 7200.0, "a100": 3600.0}, {"h100": 2.5}) == 5.0
+
+
+def test_token_counters_count_deltas_and_restarts():
+    added, counters = count_tokens({}, {"p1": TokenCount(input=10, output=5)})
+    assert added == TokenCount(input=10, output=5)
+    added, counters = count_tokens(counters, {"p1": TokenCount(input=15, output=9)})
+    assert added == TokenCount(input=5, output=4)
+    added, _ = count_tokens(counters, {"p1": TokenCount(input=3, output=1)})  # the engine restarted
+    assert added == TokenCount(input=3, output=1)

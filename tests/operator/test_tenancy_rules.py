@@ -1,0 +1,89 @@
+"""Tenants' namespaces, bad Tenants, members' RBAC objects, webhook TLS material, the usage report."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+from cryptography import x509
+from flotilla.operator import webhook_tls
+from flotilla.operator.api import MeteringLedger, TenantSpec, TenantStatus, TokenCount
+from flotilla.operator.tenancy import namespaces_of, tenant_of, tenant_problems
+from flotilla.operator.tenant_rbac import MEMBER_ROLE, desired_objects
+from flotilla.operator.usage import WindowError, check_window, render, report
+from pydantic import ValidationError
+
+NOW = dt.datetime(2026, 1, 10, tzinfo=dt.UTC)
+
+
+def test_namespaces_by_list_and_selector():
+    a = TenantSpec(namespaces=["a1"], namespace_selector={"matchLabels": {"team": "a"}})
+    labels = {"a1": {}, "a2": {"team": "a"}, "b1": {"team": "b"}}
+    assert namespaces_of(a, labels) == ["a1", "a2"]
+    assert tenant_of("a2", {"ta": a}, labels) == "ta" and tenant_of("b1", {"ta": a}, labels) is None
+
+
+def test_a_namespace_claimed_twice_or_an_unpriced_type_is_refused():
+    a = TenantSpec(namespaces=["a1"])
+    thief = TenantSpec(namespaces=["a1", "x"], gpu_quota={"h100": 1}, price_per_gpu_hour={"a100": 1.0})
+    problems = tenant_problems("thief", thief, {"a": a}, {})
+    assert "namespace a1 already belongs to tenant a" in problems[0]
+    assert "pricePerGPUHour names a100" in problems[1]
+    assert tenant_problems("a", a, {"a": a}, {}) == []
+    with pytest.raises(ValidationError):
+        TenantSpec(gpu_quota={"h100": -1})
+
+
+def test_members_get_their_namespaces_and_only_get_their_tenant():
+    spec = TenantSpec(namespaces=["a1"], gpu_quota={"h100": 2, "a100": 1},
+                      members=[{"kind": "Group", "name": "devs"}, {"kind": "ServiceAccount", "name": "ci", "namespace": "a1"}])  # fmt: skip
+    objects = {
+        (o["kind"], o["metadata"].get("namespace")): o for o in desired_objects("ta", "uid", spec, ["a1"])
+    }
+    role = objects[("ClusterRole", None)]
+    assert role["rules"] == [
+        {"apiGroups": ["flotilla.dev"], "resources": ["tenants"], "resourceNames": ["ta"], "verbs": ["get"]}
+    ]
+    binding = objects[("RoleBinding", "a1")]
+    assert binding["roleRef"]["name"] == MEMBER_ROLE
+    assert {"kind": "ServiceAccount", "name": "ci", "namespace": "a1"} in binding["subjects"]
+    assert objects[("ResourceQuota", "a1")]["spec"]["hard"] == {"requests.nvidia.com/gpu": "3"}
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == "uid" for o in objects.values())
+
+
+def test_webhook_material_is_reused_and_renewed_from_the_same_ca():
+    first = webhook_tls.ensure(None, ["127.0.0.1"], NOW)
+    assert webhook_tls.ensure(first, ["127.0.0.1"], NOW) is first
+    cert = x509.load_pem_x509_certificate(first.cert)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    other_host = webhook_tls.ensure(first, ["webhook.example"], NOW)
+    assert other_host.ca_cert == first.ca_cert and other_host.cert != first.cert
+    late = webhook_tls.ensure(first, ["127.0.0.1"], NOW + dt.timedelta(days=webhook_tls.SERVING_DAYS - 1))
+    assert late.ca_cert == first.ca_cert and late.cert != first.cert
+    again = webhook_tls.Material.from_secret_data(first.to_secret_data())
+    assert again == first
+
+
+def test_usage_report_all_time_and_by_day():
+    spec = TenantSpec(namespaces=["a1"], gpu_quota={"h100": 2}, price_per_gpu_hour={"h100": 3.6})
+    status = TenantStatus(
+        tokens=TokenCount(input=600_000, output=400_000),
+        ledger=MeteringLedger(
+            total={"a1/chat/h100": 7200.0},
+            daily={"2026-01-01": {"a1/chat/h100": 3600.0}, "2026-01-02": {"a1/chat/h100": 3600.0}},
+        ),
+    )
+    everything = report("ta", spec, status, None, None)
+    assert everything.gpu_seconds == 7200 and everything.cost == pytest.approx(7.2)
+    assert everything.cost_per_million_tokens == pytest.approx(7.2)
+    one_day = report("ta", spec, status, dt.date(2026, 1, 2), dt.date(2026, 1, 2))
+    assert one_day.gpu_seconds == 3600 and one_day.rows[0].service == "chat"
+    assert json.loads(render([one_day], "json", {}))["tenants"][0]["cost"] == pytest.approx(3.6)
+    assert render([one_day], "csv", {}).splitlines()[1] == "ta,a1,chat,h100,3600.0,1.0,3.6,3.6"
+    assert "GPU SECONDS" in render([one_day], "table", {"since": "2026-01-02"})
+    with pytest.raises(WindowError):
+        check_window(dt.date(2026, 1, 3), dt.date(2026, 1, 2), dt.date(2026, 1, 10))
+    with pytest.raises(WindowError):
+        check_window(dt.date(2025, 1, 1), None, dt.date(2026, 1, 10))
