@@ -5,6 +5,10 @@ Each period it reads the service's signals (scraping its ready pods, or asking P
 runs the pure rule (autoscale_rule.decide via autoscaler.ServiceAutoscaler), and carries out the result:
 a PATCH of the InferenceService's scale subresource (the reconciler then resizes the Deployment, so quota
 and status stay in one place), status.autoscaling, an Event for every scale, and the gauges.
+
+kopf puts its finalizer on every object a daemon runs for (so it can stop the daemon first): deleting an
+autoscaled service waits for a running operator. kopf also stops daemons while peering pauses this
+operator, so a standby replica never scales.
 """
 
 from __future__ import annotations
