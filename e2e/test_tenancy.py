@@ -229,6 +229,7 @@ def env(cluster: ClusterHandle, tmp_path_factory):
         cluster.kubectl(
             "delete", "tenant", e.tenant_a, e.tenant_b, "--ignore-not-found", "--wait=false", check=False
         )
+        MODEL_DIR.rmdir()
 
 
 def _webhook(cluster: ClusterHandle) -> dict:
