@@ -159,3 +159,8 @@ def server(shared_server):
 def http(server):
     with httpx.Client(base_url=server.url, trust_env=False, timeout=60) as client:
         yield client
+
+
+@pytest.fixture(name="wait_for")
+def wait_for_fixture():
+    return wait_for
