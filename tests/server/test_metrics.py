@@ -1,0 +1,140 @@
+"""/metrics: the names and labels of DESIGN.md's contract, promtool's lint, and a real Prometheus that
+scrapes the engine and answers histogram_quantile(0.95, ...) over TTFT."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+BODY = {"model": "tiny", "prompt": "count me", "max_tokens": 5, "ignore_eos": True}
+CONTRACT = {
+    "flotilla_time_to_first_token_seconds": "histogram",
+    "flotilla_inter_token_latency_seconds": "histogram",
+    "flotilla_e2e_request_latency_seconds": "histogram",
+    "flotilla_num_requests_running": "gauge",
+    "flotilla_num_requests_waiting": "gauge",
+    "flotilla_kv_cache_usage_ratio": "gauge",
+    "flotilla_prefix_cache_queries": "counter",
+    "flotilla_prefix_cache_hits": "counter",
+    "flotilla_prompt_tokens": "counter",
+    "flotilla_generation_tokens": "counter",
+    "flotilla_num_preemptions": "counter",
+    "flotilla_request_success": "counter",
+}
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    text = httpx.get(f"{url}/metrics", trust_env=False).text
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def value(metrics: dict, name: str, **labels) -> float:
+    return sum(v for k, v in metrics.get(name, {}).items() if all((lk, lv) in k for lk, lv in labels.items()))
+
+
+def test_contract_names_types_and_labels(server):
+    text = httpx.get(f"{server.url}/metrics", trust_env=False).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, kind in CONTRACT.items():
+        assert families[name].type == kind, name
+        for sample in families[name].samples:
+            assert {"model", "tenant", "service"} <= set(sample.labels), sample
+            assert sample.labels["model"] == "tiny"
+    buckets = [
+        s.labels["le"] for s in families["flotilla_time_to_first_token_seconds"].samples if "le" in s.labels
+    ]
+    assert buckets[0] == "0.001" and float(buckets[-2]) >= 60  # 1 ms to minutes
+
+
+def test_counters_follow_requests(server, http):
+    before = scrape(server.url)
+    n = http.post("/tokenize", json={"prompt": "count me"}).json()["count"]
+    assert http.post("/v1/completions", json=BODY).status_code == 200
+    after = scrape(server.url)
+    assert value(after, "flotilla_prompt_tokens_total") - value(before, "flotilla_prompt_tokens_total") == n
+    assert (
+        value(after, "flotilla_generation_tokens_total") - value(before, "flotilla_generation_tokens_total")
+        == 5
+    )
+    key = "flotilla_request_success_total"
+    assert value(after, key, finish_reason="length") - value(before, key, finish_reason="length") == 1
+    for hist in ("flotilla_time_to_first_token_seconds", "flotilla_e2e_request_latency_seconds"):
+        assert value(after, hist + "_count") - value(before, hist + "_count") == 1
+    itl = "flotilla_inter_token_latency_seconds_count"
+    assert value(after, itl) - value(before, itl) == 4
+
+
+def test_promtool_check_metrics_passes(server, http):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (scripts/bootstrap.sh installs Debian's prometheus)")
+    http.post("/v1/completions", json=BODY)
+    text = httpx.get(f"{server.url}/metrics", trust_env=False).text
+    proc = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_prometheus_answers_ttft_p95(make_server, monkeypatch, tmp_path, wait_for):
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus is not installed (scripts/bootstrap.sh installs Debian's prometheus)")
+    monkeypatch.setenv("FLOTILLA_TENANT", "team-a")
+    monkeypatch.setenv("FLOTILLA_SERVICE", "chat")
+    server = make_server()
+    target = server.url.removeprefix("http://")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: engine, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    port = _free_port()
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    query = (
+        "histogram_quantile(0.95, sum by (le, tenant, service) "
+        '(rate(flotilla_time_to_first_token_seconds_bucket{tenant="team-a",service="chat"}[30s])))'
+    )
+    answers = []
+
+    def answered() -> bool:
+        time.sleep(0.25)  # a gentle poll: one request and one query per round
+        httpx.post(f"{server.url}/v1/completions", json=BODY, trust_env=False)  # keep traffic flowing
+        try:
+            resp = httpx.get(
+                f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, trust_env=False
+            )
+        except httpx.TransportError:
+            return False
+        result = resp.json()["data"]["result"] if resp.status_code == 200 else []
+        answers[:] = [float(r["value"][1]) for r in result if r["value"][1] not in ("NaN", "+Inf")]
+        return bool(answers)
+
+    try:
+        wait_for(answered, timeout=120, what="Prometheus to answer the TTFT p95 query")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    assert 0 < answers[0] < 300
