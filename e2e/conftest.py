@@ -1,4 +1,4 @@
-"""The real local cluster for every test in e2e/: started once per session, or reused when it is up."""
+"""The real local cluster for every test in e2e/: one of its own per session, on free ports."""
 
 from __future__ import annotations
 
@@ -6,25 +6,24 @@ import uuid
 
 import pytest
 
-from flotilla.cluster.control_plane import ClusterConfig, down, status, up
+from flotilla.cluster.control_plane import ClusterConfig, down, up
+from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.paths import default_state_dir
-from flotilla.cluster.testing import ClusterHandle, wait_for
 
-
-def _running(state_dir) -> bool:
-    return all(c["running"] for c in status(state_dir)["components"].values())
+TEST_POD_IP_BASE = 7  # pods get 127.7.x.y; the default cluster uses 127.1.x.y
 
 
 @pytest.fixture(scope="session")
 def cluster() -> ClusterHandle:
-    """Reuses the cluster `flotilla cluster up` runs, or starts a fresh one of its own and purges it after."""
-    state_dir = default_state_dir()
-    if _running(state_dir):
-        handle = ClusterHandle(ClusterConfig.load(state_dir), started_here=False)
-    else:
-        state_dir = state_dir.parent / "test-cluster"
-        down(state_dir, purge=True)  # whatever an interrupted run left behind, stopped by pid
-        handle = ClusterHandle(up(ClusterConfig(state_dir=state_dir)), started_here=True)
+    """A fresh cluster of the tests' own, on free ports and its own pod IPs, purged afterwards: a cluster
+    that `make demo` left running (with its operator) is never touched."""
+    state_dir = default_state_dir().parent / "test-cluster"
+    down(state_dir, purge=True)  # whatever an interrupted run left behind, stopped by pid
+    config = ClusterConfig(
+        state_dir=state_dir, apiserver_port=free_port(), etcd_port=free_port(), pod_ip_base=TEST_POD_IP_BASE
+    )
+    config.etcd_peer_port = free_port()
+    handle = ClusterHandle(up(config), started_here=True)
     wait_for(
         lambda: handle.kubectl("get", "nodes", "-o", "name", check=False).stdout.count("node/") >= 2,
         60,
@@ -47,8 +46,7 @@ def cluster() -> ClusterHandle:
         "nodes to become Ready",
     )
     yield handle
-    if handle.started_here:
-        down(state_dir, purge=True)
+    down(state_dir, purge=True)
 
 
 @pytest.fixture

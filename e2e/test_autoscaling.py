@@ -18,8 +18,6 @@ first pod's IP; the second pod adds capacity in the queue-per-replica average bu
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -33,13 +31,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flotilla.cluster.testing import ClusterHandle, wait_for
+from flotilla.cluster.handle import ClusterHandle, wait_for
+from flotilla.operator.local import OperatorProcess, install_manifests, service_account_kubeconfig
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "artifacts"
-OPERATOR_NS, OPERATOR_SA = "flotilla-system", "flotilla-operator"
 
 PERIOD = 3  # seconds between decisions (spec.autoscaling.periodSeconds)
 DOWN_WINDOW = 12  # shortened from 300 s through the spec
@@ -51,64 +49,17 @@ QUOTA_AT_ADMISSION, QUOTA = 3, 2
 LOAD = {"rate": 8.0, "prompts": 2000, "input_len": 32, "output_len": 32}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _service_account_kubeconfig(cluster: ClusterHandle, path: Path) -> Path:
-    """The operator runs as its own ServiceAccount, so a missing RBAC verb (say, on /scale) fails here."""
-    token = cluster.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=1h").stdout.strip()
-    server, ca = cluster.config.server, str(cluster.config.pki_dir / "ca.crt")
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority": ca}}],
-                "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
-                "contexts": [{"name": "op", "context": {"cluster": "local", "user": OPERATOR_SA}}],
-                "current-context": "op",
-            }
-        )
-    )
-    return path
-
-
 @pytest.fixture(scope="module")
 def operator_metrics_url(cluster: ClusterHandle, tmp_path_factory):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
-    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "operator-rbac.yaml"))
+    """The operator runs as its own ServiceAccount, so a missing RBAC verb (say, on /scale) fails here."""
+    install_manifests(cluster)
     workdir = tmp_path_factory.mktemp("autoscale-operator")
-    kubeconfig = _service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
-    port = _free_port()
-    log_path = workdir / "operator.log"
-    with log_path.open("a") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(kubeconfig),
-             "--metrics-port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd=workdir,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, f"the operator exited with {proc.returncode}; see {log_path}"
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=5) as rsp:
-                return rsp.status == 200
-        except OSError:
-            return False
-
-    wait_for(healthy, 60, f"the operator's /healthz (log: {log_path})")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    operator = OperatorProcess(
+        service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"), workdir / "operator.log"
+    )
+    operator.start()
+    yield operator.url
+    operator.stop()
 
 
 @dataclass

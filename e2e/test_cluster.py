@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from flotilla.cluster.testing import ClusterHandle, wait_for
+from flotilla.cluster.handle import ClusterHandle, wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,94 +21,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flotilla.cluster.testing import ClusterHandle, wait_for
+from flotilla.cluster.handle import ClusterHandle, wait_for
+from flotilla.operator.local import (
+    OPERATOR_NS,
+    OPERATOR_SA,
+    OperatorProcess,
+    install_manifests,
+    service_account_kubeconfig,
+)
 
 pytestmark = pytest.mark.cluster
-
-REPO = Path(__file__).resolve().parents[1]
-OPERATOR_NS = "flotilla-system"
-OPERATOR_SA = "flotilla-operator"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class OperatorProcess:
-    """`flotilla operator run` as a subprocess, authenticated as the operator's ServiceAccount."""
-
-    def __init__(self, kubeconfig: Path, log_path: Path):
-        self.kubeconfig = kubeconfig
-        self.log_path = log_path
-        self.port = _free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        log = self.log_path.open("a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(self.kubeconfig),
-             "--metrics-port", str(self.port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=self.log_path.parent,
-        )  # fmt: skip
-        wait_for(
-            lambda: self.get("/healthz")[0] == 200, 60, f"the operator's /healthz (log: {self.log_path})"
-        )
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def get(self, path: str) -> tuple[int, str]:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"the operator exited with {self.proc.returncode}; see {self.log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as rsp:
-                return rsp.status, rsp.read().decode()
-        except OSError as exc:
-            return 0, str(exc)
-
-
-def _service_account_kubeconfig(cluster: ClusterHandle, path: Path) -> Path:
-    token = cluster.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=2h").stdout.strip()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "local",
-                "cluster": {
-                    "server": cluster.config.server,
-                    "certificate-authority": str(cluster.config.pki_dir / "ca.crt"),
-                },
-            }
-        ],
-        "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": OPERATOR_SA}}],
-        "current-context": "operator",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")
 def operator(cluster: ClusterHandle, tmp_path_factory) -> OperatorProcess:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
-    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "operator-rbac.yaml"))
+    install_manifests(cluster)
     workdir = tmp_path_factory.mktemp("operator")
-    kubeconfig = _service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
+    kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
     proc = OperatorProcess(kubeconfig, workdir / "operator.log")
     proc.start()
     yield proc

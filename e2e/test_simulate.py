@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from flotilla.cluster.control_plane import ClusterConfig, down, up
-from flotilla.cluster.testing import ClusterHandle, wait_for
+from flotilla.cluster.handle import ClusterHandle, wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -13,11 +13,9 @@ import datetime as dt
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,83 +28,21 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from prometheus_client.parser import text_string_to_metric_families
 
-from flotilla.cluster.testing import ClusterHandle, wait_for
+from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
+from flotilla.operator.local import (
+    OPERATOR_NS,
+    OperatorProcess,
+    install_manifests,
+    kubeconfig_for,
+    service_account_kubeconfig,
+)
 
 pytestmark = pytest.mark.cluster
 
-REPO = Path(__file__).resolve().parents[1]
-OPERATOR_NS, OPERATOR_SA = "flotilla-system", "flotilla-operator"
 WEBHOOK_CONFIG = "flotilla.dev"
 METERING_INTERVAL = 2.0
 RUN = uuid.uuid4().hex[:5]  # names of cluster-scoped objects differ per run
 MODEL_DIR = Path(f"/tmp/flotilla-tenancy-model-{RUN}")  # exists; the engine is not started on it here
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Operator:
-    """`flotilla operator run --webhook-port` as a subprocess (restartable, SIGKILL-able)."""
-
-    def __init__(self, kubeconfig: Path, log_path: Path):
-        self.kubeconfig, self.log_path = kubeconfig, log_path
-        self.metrics_port, self.webhook_port = _free_port(), _free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(self.kubeconfig),
-             "--metrics-port", str(self.metrics_port), "--webhook-port", str(self.webhook_port),
-             "--metering-interval", str(METERING_INTERVAL)],
-            stdout=self.log_path.open("a"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd=self.log_path.parent,
-        )  # fmt: skip
-        wait_for(
-            lambda: self.get("/healthz")[0] == 200, 60, f"the operator's /healthz (log: {self.log_path})"
-        )
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def get(self, path: str) -> tuple[int, str]:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"the operator exited with {self.proc.returncode}; see {self.log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5) as rsp:
-                return rsp.status, rsp.read().decode()
-        except OSError as exc:
-            return 0, str(exc)
-
-
-def _kubeconfig(cluster: ClusterHandle, path: Path, user: dict) -> Path:
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "local",
-                "cluster": {
-                    "server": cluster.config.server,
-                    "certificate-authority": str(cluster.config.pki_dir / "ca.crt"),
-                },
-            }
-        ],
-        "users": [{"name": "u", "user": user}],
-        "contexts": [{"name": "c", "context": {"cluster": "local", "user": "u"}}],
-        "current-context": "c",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def _user_kubeconfig(cluster: ClusterHandle, workdir: Path, user: str, group: str) -> Path:
@@ -137,7 +73,7 @@ def _user_kubeconfig(cluster: ClusterHandle, workdir: Path, user: str, group: st
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
     )
-    return _kubeconfig(
+    return kubeconfig_for(
         cluster, workdir / f"{user}.kubeconfig", {"client-certificate": str(crt), "client-key": str(pem)}
     )
 
@@ -193,15 +129,16 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(cluster: ClusterHandle, tmp_path_factory):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
-    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "operator-rbac.yaml"))
+    install_manifests(cluster)
     workdir = tmp_path_factory.mktemp("tenancy")
     MODEL_DIR.mkdir(exist_ok=True)
-    token = cluster.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=2h").stdout.strip()
-    operator = Operator(
-        _kubeconfig(cluster, workdir / "operator.kubeconfig", {"token": token}), workdir / "operator.log"
+    webhook_port = free_port()
+    operator = OperatorProcess(
+        service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
+        workdir / "operator.log",
+        ("--webhook-port", str(webhook_port), "--metering-interval", str(METERING_INTERVAL)),
     )
+    operator.webhook_port = webhook_port
     e = Env(cluster, operator, workdir)
     for ns in (e.ns_a, e.ns_b):
         cluster.kubectl("create", "namespace", ns)

@@ -233,6 +233,7 @@ def scheduler_step_cost(
 # -- the command ------------------------------------------------------------------------------------------
 def run_offline(args) -> int:
     import torch
+
     from flotilla.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads) if args.threads else None

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from flotilla.engine.attention import AttentionMetadata
 from flotilla.engine.config import ModelConfig
 from flotilla.engine.rope import RotaryEmbedding
-from torch import nn
 
 
 class RMSNorm(nn.Module):

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import torch
-from flotilla.engine.config import ModelConfig, ModelLoadError
-from flotilla.engine.llama import LlamaForCausalLM
 from safetensors import safe_open
 from tqdm import tqdm
+
+from flotilla.engine.config import ModelConfig, ModelLoadError
+from flotilla.engine.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # checkpoint projection -> (our fused parameter, index of its shard)

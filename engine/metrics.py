@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from flotilla.engine.outputs import EngineStats, RequestOutput
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from flotilla.engine.outputs import EngineStats, RequestOutput
 
 LABELS = ("model", "tenant", "service")
 # 1 ms to 5 minutes: CPU-only tiny models answer in milliseconds, a loaded big model in minutes.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from flotilla.engine.attention import AttentionMetadata, TorchAttentionBackend
 from flotilla.engine.config import EngineConfig, ModelConfig, blocks_for_budget
 from flotilla.engine.loader import load_model, resolve_device, resolve_dtype

@@ -33,6 +33,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=25.0,
         help="on SIGTERM, seconds to let in-flight requests finish (keep it under the pod's grace period)",
     )
+    parser.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, keep serving new requests this long while /health is 503, so endpoints stop "
+        "routing here before the listener closes (default 5; 0: close at once)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(parser)
@@ -40,6 +47,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
+
     from flotilla.engine.config import ModelConfig, ModelLoadError
     from flotilla.engine.server import DrainingServer, ServerSettings, create_app
     from flotilla.engine.tokenizer import ModelTokenizer
@@ -85,6 +93,6 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.drain_timeout,
         timeout_keep_alive=5,
     )
-    server = DrainingServer(uv_config, app.state.flotilla)
+    server = DrainingServer(uv_config, app.state.flotilla, args.shutdown_delay)
     server.run()
     return 1 if failed else 0

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,14 +24,15 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from flotilla.engine import api_protocol as api
 from flotilla.engine.api_errors import ApiError, bad_request, parse_json_body
 from flotilla.engine.async_engine import AsyncEngine, EngineDeadError
 from flotilla.engine.metrics import EngineMetrics
 from flotilla.engine.openai_serving import Job, Serving
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("flotilla.engine.server")
 
@@ -343,15 +345,27 @@ async def _disconnected(request: Request) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """Marks the state draining on the first SIGTERM/SIGINT, so /health answers 503 while uvicorn stops
-    accepting connections and waits (up to timeout_graceful_shutdown) for in-flight requests."""
+    """On the first SIGTERM/SIGINT: /health answers 503 at once, new requests are still served for
+    `shutdown_delay` seconds (so endpoints and load balancers stop routing here first, as a preStop sleep
+    would), then uvicorn stops listening and waits (up to timeout_graceful_shutdown) for in-flight ones.
+    A second signal skips the delay."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_delay: float = 0.0) -> None:
         super().__init__(config)
         self.flotilla_state = state
+        self.shutdown_delay = shutdown_delay
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.flotilla_state.draining:
-            log.info("draining: no new requests; finishing %d in flight", self.flotilla_state.in_flight)
+        if self.flotilla_state.draining or self.shutdown_delay <= 0:
+            self.flotilla_state.draining = True
+            super().handle_exit(sig, frame)
+            return
         self.flotilla_state.draining = True
-        super().handle_exit(sig, frame)
+        log.info(
+            "draining: /health is 503; serving new requests %.0fs more, then finishing %d in flight",
+            self.shutdown_delay,
+            self.flotilla_state.in_flight,
+        )
+        timer = threading.Timer(self.shutdown_delay, super().handle_exit, (sig, frame))
+        timer.daemon = True
+        timer.start()

@@ -10,8 +10,9 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from flotilla.engine.config import ModelLoadError
 from tokenizers import Tokenizer
+
+from flotilla.engine.config import ModelLoadError
 
 
 def _token_text(value: Any) -> str | None:

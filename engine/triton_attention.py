@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from flotilla.engine.attention import AttentionMetadata, TorchAttentionBackend, paged_prefill_attention
 
 

@@ -17,6 +17,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "operator": ("flotilla.operator.cli", "run the operator and generate its manifests"),
     "cluster": ("flotilla.cluster.cli", "the local Kubernetes cluster: build, up, down, status"),
     "usage": ("flotilla.operator.usage_cli", "GPU usage and cost reports per tenant"),
+    "demo": ("flotilla.demo", "the operator, a Tenant and a Ready InferenceService on the local cluster"),
 }
 
 

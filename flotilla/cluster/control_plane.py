@@ -79,6 +79,8 @@ class ClusterConfig:
 
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "node-agent")
+# Started into the same pid table by others (the demo starts the operator), and stopped first by `down`.
+ADDONS = ("operator",)
 
 
 def _binary(name: str) -> Path:
@@ -261,7 +263,7 @@ def down(state_dir: Path | None = None, purge: bool = False, log=None) -> list[s
     table = ProcessTable(state_dir / "pids")
     stopped = []
     # Reverse order: the agent first, so it stops its pods while the API is still there to hear it.
-    for name in reversed(COMPONENTS):
+    for name in (*ADDONS, *reversed(COMPONENTS)):
         if table.stop(name, grace_seconds=20 if name == "node-agent" else 10):
             stopped.append(name)
             log(f"  {name}: stopped")

@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
 from flotilla.operator import admission, tenancy_handlers, webhook_tls
 from flotilla.operator.api import GROUP, TENANT, VERSION, TenantSpec
 from flotilla.operator.handlers import ISVC, _tenant_specs, runtime
@@ -26,8 +29,6 @@ from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.tenancy import tenant_of, tenant_problems
 from flotilla.operator.tenancy_handlers import labels_by_namespace
 from flotilla.operator.validation import parse_spec
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("flotilla.operator.admission")
 

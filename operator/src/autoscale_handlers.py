@@ -19,6 +19,7 @@ import time
 from datetime import UTC, datetime
 
 import kopf
+
 from flotilla.operator import autoscale_metrics, prometheus_source
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, VERSION, Autoscaling
 from flotilla.operator.autoscaler import QUOTA_LIMITED, ServiceAutoscaler, autoscaling_status, scraped_pods

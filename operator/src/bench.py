@@ -10,15 +10,10 @@ operator as a subprocess, creates N InferenceServices at once and reports:
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import re
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -35,12 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etcd-port", type=int, default=12379)
     parser.add_argument("--pod-ip-base", type=int, default=60)
     parser.add_argument("--keep", action="store_true", help="leave the bench cluster running")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
 
 
 def _manifest(count: int) -> str:
@@ -73,7 +63,9 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flotilla.cluster.control_plane import ClusterConfig, down, kubectl_path, up
+    from flotilla.cluster.control_plane import ClusterConfig, down, up
+    from flotilla.cluster.handle import ClusterHandle
+    from flotilla.operator.local import OperatorProcess, install_manifests, service_account_kubeconfig
 
     state_dir = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
     cfg = ClusterConfig(
@@ -88,36 +80,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench: starting a simulated cluster with {args.nodes} nodes in {state_dir}", flush=True)
     up(cfg, timeout=300)
 
+    cluster = ClusterHandle(cfg, started_here=True)
+
     def kubectl(*kargs: str, input: str | None = None) -> str:
-        result = subprocess.run(
-            [str(kubectl_path()), f"--kubeconfig={cfg.kubeconfig}", *kargs],
-            capture_output=True,
-            text=True,
-            input=input,
-            timeout=300,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(kargs[:3])}: {result.stderr.strip()[:2000]}")
-        return result.stdout
+        return cluster.kubectl(*kargs, input=input, timeout=300).stdout
 
     operator = None
     try:
-        kubectl("apply", "--server-side", "-f", str(REPO_ROOT / "crds"))
-        kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO_ROOT / "crds"))
-        kubectl("apply", "-f", str(REPO_ROOT / "deploy" / "operator-rbac.yaml"))
+        install_manifests(cluster)
         kubectl("create", "namespace", NAMESPACE)
-        port = _free_port()
-        log_path = state_dir / "operator.log"
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(cfg.kubeconfig),
-             "--metrics-port", str(port), "--no-model-path-check"],
-            stdout=log_path.open("w"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONSAFEPATH": "1"},
-            cwd=state_dir,
-        )  # fmt: skip
-        _wait_healthy(port, operator)
+        operator = OperatorProcess(
+            service_account_kubeconfig(cluster, state_dir / "operator.kubeconfig"),
+            state_dir / "operator.log",
+            ("--no-model-path-check",),
+        )
+        operator.start()
+        log_path = operator.log_path
 
         print(f"bench: creating {args.services} InferenceServices", flush=True)
         start = time.monotonic()
@@ -131,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
             elapsed = time.monotonic() - start
             if ready >= args.services:
                 break
+            print(f"bench: {ready}/{args.services} Ready after {elapsed:.0f} s", flush=True)
             time.sleep(2)
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        metrics = operator.get("/metrics")[1]
         calls = _metric_sum(metrics, "flotilla_operator_api_calls_total")
         reconciles = _metric_sum(metrics, "flotilla_reconciles_total")
         errors = _metric_sum(metrics, "flotilla_reconcile_errors_total")
@@ -140,34 +119,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"services Ready        {ready}/{args.services} on {args.nodes} simulated nodes")
         print(f"time until all Ready  {elapsed:.1f} s   (target < 120 s)" if ready >= args.services else
               f"time until all Ready  not reached in {args.timeout:.0f} s")  # fmt: skip
-        print(f"operator peak RSS     {_peak_rss_mb(operator.pid):.0f} MB   (target < 300 MB)")
+        print(f"operator peak RSS     {_peak_rss_mb(operator.proc.pid):.0f} MB   (target < 300 MB)")
         print(f"reconciles            {reconciles:.0f} ({errors:.0f} raised)")
         print(f"operator API calls    {calls:.0f}: {calls / max(reconciles, 1):.2f} per reconcile, "
               f"{calls / max(args.services, 1):.1f} per service")  # fmt: skip
         print("  (the operator's own calls: applies and status patches; kopf's watches and its annotation")
         print("   patches are not counted)")
         print(f"operator log          {log_path}")
+        if args.json:
+            figures = {
+                "services": args.services,
+                "nodes": args.nodes,
+                "ready": ready,
+                "seconds_until_all_ready": elapsed if ready >= args.services else None,
+                "operator_peak_rss_mb": _peak_rss_mb(operator.proc.pid),
+                "reconciles": reconciles,
+                "reconcile_errors": errors,
+                "api_calls": calls,
+                "api_calls_per_reconcile": calls / max(reconciles, 1),
+            }
+            args.json.write_text(json.dumps(figures, indent=2) + "\n")
         return 0 if ready >= args.services else 1
     finally:
-        if operator is not None and operator.poll() is None:
-            operator.send_signal(signal.SIGTERM)
-            try:
-                operator.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                operator.kill()
+        if operator is not None:
+            operator.stop()
         if not args.keep:
             down(state_dir, purge=False)
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen) -> None:
-    for _ in range(120):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the operator exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as rsp:
-                if rsp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the operator did not become healthy")

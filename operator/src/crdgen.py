@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, KINDS, TENANT, VERSION, Kind
 
 # Kubernetes forbids additionalProperties next to properties; unknown fields are pruned, and

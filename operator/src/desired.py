@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from flotilla.operator.api import API_VERSION, INFERENCE_SERVICE, EngineConfig, InferenceServiceSpec
-from flotilla.operator.config import ENGINE_PORT, OperatorConfig
+from flotilla.operator.config import ENGINE_PORT, ENGINE_SHUTDOWN_DELAY, OperatorConfig
 from flotilla.operator.model_source import model_mount, parse_model_uri
 from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, child_labels, selector_labels
 
@@ -104,6 +104,7 @@ def engine_command(
         str(ENGINE_PORT),
         "--served-model-name",
         served_name(owner, spec),
+        *(["--shutdown-delay", str(ENGINE_SHUTDOWN_DELAY)] if drain_seconds else []),
         *(["--drain-timeout", str(drain_seconds)] if drain_seconds else []),
         *engine_flags(spec.engine),
     ]
@@ -156,8 +157,11 @@ def pod_template(
     container = {
         "name": "engine",
         "image": image,
-        # The engine drains in-flight requests on SIGTERM; it must finish before the grace period ends.
-        "command": engine_command(owner, spec, mount.path, max(1, config.termination_grace_seconds - 10)),
+        # On SIGTERM the engine serves on while endpoints drop it, then drains in-flight requests; both
+        # must end, with 10 s to spare, before the grace period does.
+        "command": engine_command(
+            owner, spec, mount.path, max(1, config.termination_grace_seconds - 10 - ENGINE_SHUTDOWN_DELAY)
+        ),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(owner, decision.tenant),
         "resources": _resources(spec),

@@ -13,10 +13,11 @@ import asyncio
 import math
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from flotilla.operator.autoscale_signals import Signals
 from flotilla.operator.config import ENGINE_PORT
 from flotilla.operator.histogram_window import Buckets, WindowedHistogram
-from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "flotilla_time_to_first_token_seconds"
 WAITING = "flotilla_num_requests_waiting"

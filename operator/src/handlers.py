@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import kopf
+from kubernetes.client.exceptions import ApiException
+
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.drift import drifted
@@ -28,7 +30,6 @@ from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABE
 from flotilla.operator.quota import Grant, tenant_for_namespace
 from flotilla.operator.reconcile import Event, Plan, World, plan, status_changed
 from flotilla.operator.status import QUOTA_ADMITTED, VALID, with_apply_failures
-from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("flotilla.operator")
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kubernetes import client, config
+
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, VERSION
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.naming import FIELD_MANAGER
-from kubernetes import client, config
 
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"

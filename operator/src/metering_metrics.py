@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import threading
 
-from flotilla.operator.api import TenantStatus
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from flotilla.operator.api import TenantStatus
 
 
 class TenantCollector:

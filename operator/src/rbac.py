@@ -7,6 +7,7 @@ The e2e tests run the operator under this identity, so a missing verb fails them
 from __future__ import annotations
 
 import yaml
+
 from flotilla.operator import tenant_rbac
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, TENANT
 

@@ -15,6 +15,9 @@ import threading
 import time
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
 from flotilla.operator import tenant_rbac
 from flotilla.operator.api import GROUP, TENANT, VERSION, Condition, TenantSpec, TenantStatus, TokenCount
 from flotilla.operator.handlers import runtime
@@ -36,8 +39,6 @@ from flotilla.operator.status import merge_transition_times
 from flotilla.operator.tenancy import namespaces_of
 from flotilla.operator.tenancy_settings import TenancySettings
 from flotilla.operator.token_scrape import read_token_counters
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("flotilla.operator.tenancy")
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from flotilla.operator.api import TokenCount
 from flotilla.operator.config import ENGINE_PORT
 from flotilla.operator.naming import SERVICE_LABEL
-from prometheus_client.parser import text_string_to_metric_families
 
 PROMPT, GENERATION = "flotilla_prompt_tokens_total", "flotilla_generation_tokens_total"
 

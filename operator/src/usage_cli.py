@@ -27,10 +27,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flotilla.operator.api import GROUP, TENANT, VERSION, TenantSpec, TenantStatus
-    from flotilla.operator.usage import WindowError, check_window, render, report
     from kubernetes import client, config
     from kubernetes.client.exceptions import ApiException
+
+    from flotilla.operator.api import GROUP, TENANT, VERSION, TenantSpec, TenantStatus
+    from flotilla.operator.usage import WindowError, check_window, render, report
 
     try:
         check_window(args.since, args.until, datetime.now(UTC).date())

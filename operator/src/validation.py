@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from flotilla.operator.api import InferenceServiceSpec
 from flotilla.operator.desired import quantity_bytes
 from flotilla.operator.model_source import ModelUriError, parse_model_uri
 from flotilla.operator.naming import GPU_TYPE_LABEL
-from pydantic import ValidationError
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from flotilla.engine import attention
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from flotilla.engine.block_pool import BlockPool
 from flotilla.engine.kv_cache_manager import KVCacheManager
 from flotilla.engine.request import Request

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.llm_engine import LLMEngine
 from flotilla.engine.sampling_params import SamplingParams

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+
 from flotilla.engine.config import ModelConfig, ModelLoadError
 from flotilla.engine.presets import PRESETS, build_tokenizer, random_weights
 from flotilla.engine.tokenizer import ModelTokenizer
@@ -90,8 +91,9 @@ def test_bad_config_fields_are_named(hf_models, tmp_path, change, message):
 
 def test_missing_files_and_tensors_are_named(hf_models, tmp_path):
     import torch
-    from flotilla.engine.loader import load_model
     from safetensors.torch import load_file, save_file
+
+    from flotilla.engine.loader import load_model
 
     folder, _ = hf_models("llama-gqa")
     broken = tmp_path / "m"
@@ -116,8 +118,9 @@ def test_missing_files_and_tensors_are_named(hf_models, tmp_path):
 def test_sharded_checkpoints_load(hf_models, tmp_path):
     """A checkpoint split in shards with an index file loads to the same weights."""
     import torch
-    from flotilla.engine.loader import load_model
     from safetensors.torch import load_file, save_file
+
+    from flotilla.engine.loader import load_model
 
     folder, model = hf_models("llama-gqa")
     tensors = load_file(folder / "model.safetensors")

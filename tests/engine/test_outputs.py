@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from flotilla.engine.detokenizer import IncrementalDetokenizer
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.engine.tokenizer import ModelTokenizer
@@ -145,6 +146,7 @@ def test_async_engine_streams_concurrently_and_aborts_on_exit(tiny_engine):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(hf_models, dtype):
     import torch
+
     from flotilla.engine.config import EngineConfig
     from flotilla.engine.llm_engine import LLMEngine
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from flotilla.engine.request import Request
 from flotilla.engine.sampler import Sampler, _apply_penalties
 from flotilla.engine.sampling_params import SamplingParams

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from flotilla.engine.kv_cache_manager import KVCacheManager
 from flotilla.engine.request import FinishReason, Request, RequestStatus
 from flotilla.engine.sampling_params import SamplingParams
 from flotilla.engine.scheduler import Scheduler, SchedulerConfig
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 ops = st.lists(
     st.one_of(

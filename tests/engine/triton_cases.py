@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+
 from flotilla.engine import attention
 
 if os.environ.get("TRITON_INTERPRET") != "1":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from flotilla.operator.api import InferenceServiceSpec
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.desired import Decision, Owner

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from prometheus_client import generate_latest
+
 from flotilla.engine.metrics import EngineMetrics
 from flotilla.engine.outputs import EngineStats
 from flotilla.operator.api import Autoscaling
@@ -12,7 +14,6 @@ from flotilla.operator.autoscaler import ServiceAutoscaler, autoscaling_status, 
 from flotilla.operator.engine_metrics_scrape import PodScraper, ScrapeError, parse_engine_metrics
 from flotilla.operator.quota import QuotaDecision
 from flotilla.operator.status import PodView
-from prometheus_client import generate_latest
 
 
 class FakeEngine:

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
+
 from flotilla.operator.api import INFERENCE_SERVICE, TENANT, InferenceServiceSpec, TenantSpec
 from flotilla.operator.crdgen import crd, crd_files
-from pydantic import ValidationError
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.desired import (
     Decision,
@@ -29,7 +30,8 @@ def test_engine_command_serves_the_model_on_the_pod_ip(owner, decision, config, 
         "--host", "$(POD_IP)",
         "--port", "8000",
         "--served-model-name", "tiny-llama",
-        "--drain-timeout", "50",
+        "--shutdown-delay", "5",
+        "--drain-timeout", "45",
     ]  # fmt: skip
 
 

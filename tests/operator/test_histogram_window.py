@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from flotilla.operator.histogram_window import WindowedHistogram, add, increase, quantile
 
 INF = math.inf

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from flotilla.operator.model_source import ModelUri, ModelUriError, parse_model_uri
 
 

@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 import yaml
+from prometheus_client import generate_latest
+
 from flotilla.engine.metrics import EngineMetrics
 from flotilla.engine.outputs import EngineStats
 from flotilla.operator import prometheus_source
@@ -23,7 +25,6 @@ from flotilla.operator.api import Autoscaling
 from flotilla.operator.autoscaler import ServiceAutoscaler
 from flotilla.operator.engine_metrics_scrape import PodScraper, parse_engine_metrics
 from flotilla.operator.status import PodView
-from prometheus_client import generate_latest
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(

@@ -7,12 +7,13 @@ import json
 
 import pytest
 from cryptography import x509
+from pydantic import ValidationError
+
 from flotilla.operator import webhook_tls
 from flotilla.operator.api import MeteringLedger, TenantSpec, TenantStatus, TokenCount
 from flotilla.operator.tenancy import namespaces_of, tenant_of, tenant_problems
 from flotilla.operator.tenant_rbac import MEMBER_ROLE, desired_objects
 from flotilla.operator.usage import WindowError, check_window, render, report
-from pydantic import ValidationError
 
 NOW = dt.datetime(2026, 1, 10, tzinfo=dt.UTC)
 

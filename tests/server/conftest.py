@@ -28,8 +28,9 @@ MODEL_NAME = "tiny"
 
 
 def write_tiny_model(folder: Path) -> Path:
-    from flotilla.engine.presets import PRESETS, build_tokenizer, random_weights
     from safetensors.torch import save_file
+
+    from flotilla.engine.presets import PRESETS, build_tokenizer, random_weights
 
     preset = PRESETS["tiny-llama"]
     folder.mkdir(parents=True, exist_ok=True)
@@ -72,6 +73,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "
 class ServerHandle:
     def __init__(self, model: Path, engine_kwargs: dict, wait: bool = True, factory=None, **settings) -> None:
         import uvicorn
+
         from flotilla.engine.config import EngineConfig
         from flotilla.engine.llm_engine import LLMEngine
         from flotilla.engine.server import DrainingServer, ServerSettings, create_app

@@ -1,8 +1,9 @@
-"""Test support for the real local cluster: a handle with kubectl, and polling with a clear failure."""
+"""A handle on a running local cluster (kubectl with its kubeconfig), and polling with a clear failure."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -62,3 +63,10 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
                 return last  # type: ignore[return-value]
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
