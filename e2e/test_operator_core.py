@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -446,6 +448,76 @@ def test_engine_pod_becomes_ready_serves_and_recovers_from_a_kill(cluster, opera
         lambda: _get(cluster, "fisvc", "live", namespace)["status"]["endpoints"], 60, "endpoints"
     )[0]
     assert _complete(endpoint)["choices"]
+
+
+def _ready_endpoints(cluster: ClusterHandle, namespace: str, service: str) -> list[str]:
+    """What a kube-proxy or a gateway would route to: the Service's EndpointSlices, ready addresses only."""
+    slices = cluster.get_json(
+        "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}"
+    )
+    return sorted(
+        f"http://{address}:{slice_['ports'][0]['port']}/v1"
+        for slice_ in slices["items"]
+        for endpoint in slice_.get("endpoints") or []
+        if (endpoint.get("conditions") or {}).get("ready") and slice_.get("ports")
+        for address in endpoint["addresses"]
+    )
+
+
+def test_rollout_drops_no_request(cluster, operator, namespace, tiny_model):
+    """A spec change rolls out (maxUnavailable 0, surge 1) while a client keeps sending completions to
+    the Service's ready endpoints: every request succeeds, and both the old and the new pod answered."""
+    engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4}
+    cluster.apply(_isvc("rolling", tiny_model, replicas=1, engine=engine), namespace)
+    _condition(cluster, namespace, "rolling", "Ready", "True", timeout=300)
+    old_endpoints = wait_for(lambda: _ready_endpoints(cluster, namespace, "rolling"), 60, "an EndpointSlice")
+
+    answered: list[str] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        turn = 0
+        while not stop.is_set():
+            endpoints = _ready_endpoints(cluster, namespace, "rolling")
+            if not endpoints:
+                failures.append("no ready endpoint")
+                time.sleep(0.2)
+                continue
+            endpoint = endpoints[turn % len(endpoints)]
+            turn += 1
+            try:
+                _complete(endpoint)
+                answered.append(endpoint)
+            except Exception as exc:  # noqa: BLE001 - every failure is what the test reports
+                failures.append(f"{endpoint}: {exc!r}")
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: len(answered) >= 3, 120, "requests before the rollout")
+        engine["maxNumSeqs"] = 6  # a new pod template: the Deployment rolls
+        cluster.apply(_isvc("rolling", tiny_model, replicas=1, engine=engine), namespace)
+
+        def rolled_out():
+            pods = _pods(cluster, namespace, "rolling")
+            command = pods[0]["spec"]["containers"][0]["command"] if len(pods) == 1 else []
+            ready = _ready_endpoints(cluster, namespace, "rolling")
+            return "6" in command and ready and ready != old_endpoints and ready
+
+        new_endpoints = wait_for(rolled_out, 300, "the rollout to replace the pod")
+        served_new = len([e for e in answered if e in new_endpoints])
+        wait_for(
+            lambda: len([e for e in answered if e in new_endpoints]) >= served_new + 3, 120, "requests after"
+        )
+    finally:
+        stop.set()
+        thread.join(timeout=90)
+    assert not failures, failures[:5]
+    assert set(old_endpoints) & set(answered) and set(new_endpoints) & set(answered), (
+        old_endpoints,
+        new_endpoints,
+    )
 
 
 def test_operator_serves_metrics_and_health(cluster, operator):

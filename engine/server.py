@@ -155,7 +155,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     def serving() -> Serving:
         status, body = state.health()
-        if status != 200:
+        # Draining still serves: only readiness drops, and the listener closes after --shutdown-delay.
+        if status != 200 and body["status"] != "draining":
             raise ApiError(503, f"the engine is not serving: {body.get('error', body['status'])}",
                            code=body["status"], headers={"Retry-After": "1"})  # fmt: skip
         assert state.serving is not None
