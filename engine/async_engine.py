@@ -1,5 +1,8 @@
 """AsyncEngine: drives an LLMEngine from one worker thread so an asyncio server stays responsive.
 
+The thread is dedicated and long-lived, never a pool's: torch's CPU kernels keep an OpenMP thread team
+per calling thread, so steps hopping across pool threads would start teams that spin against each other.
+
 Callers on the event loop create requests (tokenized and validated at once, so bad input raises in
 the caller), and iterate their outputs with `async for`. Adds and aborts are queued and applied by the
 worker between steps; leaving the `async for` early (client gone, task cancelled) aborts the request.
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Sequence
 
 from flotilla.engine.llm_engine import LLMEngine
@@ -32,6 +36,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flotilla-engine")
 
     @property
     def tokenizer(self):
@@ -48,6 +53,7 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._thread.shutdown(wait=True)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -129,7 +135,7 @@ class AsyncEngine:
                     self._wakeup.clear()
                     if not self._has_work():
                         await self._wakeup.wait()
-                outputs = await asyncio.to_thread(self._work)
+                outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._work)
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
