@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from flotilla.engine.llm_engine import LLMEngine
 from flotilla.engine.outputs import EngineStats, RequestOutput

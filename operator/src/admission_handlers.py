@@ -24,10 +24,9 @@ from kubernetes.client.exceptions import ApiException
 
 from flotilla.operator import admission, tenancy_handlers, webhook_tls
 from flotilla.operator.api import GROUP, TENANT, VERSION, TenantSpec
-from flotilla.operator.handlers import ISVC, _tenant_specs, runtime
+from flotilla.operator.handlers import ISVC, labels_by_namespace, runtime, tenant_specs
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.tenancy import tenant_of, tenant_problems
-from flotilla.operator.tenancy_handlers import labels_by_namespace
 from flotilla.operator.validation import parse_spec
 
 log = logging.getLogger("flotilla.operator.admission")
@@ -130,7 +129,7 @@ def _admit(
     if new is None:
         return  # malformed: the CRD schema and the reconciler's Valid condition explain it
     old = parse_spec(old_raw)[0] if old_raw is not None else None
-    tenants = _tenant_specs(kwargs["tenants"])
+    tenants = tenant_specs(kwargs["tenants"])
     labels = labels_by_namespace(kwargs["namespace_labels"])
     tenant = tenant_of(namespace, tenants, labels)
     key = (namespace, name)
@@ -179,7 +178,7 @@ def admit_tenant(body, name: str, dryrun: bool, **kwargs) -> None:
         for other, (_, expiry) in list(_recent_tenants.items()):
             if expiry <= now:
                 del _recent_tenants[other]
-        others = {**{n: s for n, (s, _) in _recent_tenants.items()}, **_tenant_specs(kwargs["tenants"])}
+        others = {**{n: s for n, (s, _) in _recent_tenants.items()}, **tenant_specs(kwargs["tenants"])}
         problems = tenant_problems(name, spec, others, labels)
         if not problems and not dryrun:
             _recent_tenants[name] = (spec, now + 30.0)

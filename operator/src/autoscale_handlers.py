@@ -24,10 +24,11 @@ from flotilla.operator import autoscale_metrics, prometheus_source
 from flotilla.operator.api import GROUP, INFERENCE_SERVICE, VERSION, Autoscaling
 from flotilla.operator.autoscaler import QUOTA_LIMITED, ServiceAutoscaler, autoscaling_status, scraped_pods
 from flotilla.operator.engine_metrics_scrape import PodScraper
-from flotilla.operator.handlers import ISVC, Key, _one, _tenant_specs, runtime
+from flotilla.operator.handlers import ISVC, Key, index_one, labels_by_namespace, runtime, tenant_specs
 from flotilla.operator.metrics import API_CALLS
-from flotilla.operator.quota import QuotaDecision, decide, tenant_for_namespace, used_gpus
+from flotilla.operator.quota import QuotaDecision, decide, used_gpus
 from flotilla.operator.status import pod_view
+from flotilla.operator.tenancy import tenant_of
 
 log = logging.getLogger("flotilla.operator.autoscaler")
 
@@ -42,14 +43,14 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _quota(key: Key, spec: dict, tenants: kopf.Index, wanted: int, current: int) -> QuotaDecision | None:
+def _quota(key: Key, spec: dict, indexes: dict, wanted: int, current: int) -> QuotaDecision | None:
     """The tenancy rule (quota.decide) asked about `wanted` replicas, against the operator's ledger."""
     rt = runtime()
     resources = spec.get("resources") or {}
     gpu_type, gpus = resources.get("gpuType"), resources.get("gpus", 1)
     with rt.lock:
-        specs = _tenant_specs(tenants)
-        tenant = tenant_for_namespace(key[0], specs.items())
+        specs = tenant_specs(indexes["tenants"])
+        tenant = tenant_of(key[0], specs, labels_by_namespace(indexes["namespace_labels"]))
         others = [g for k, g in rt.grants.items() if k != key]
     if tenant is None:
         return None
@@ -90,7 +91,7 @@ class _Daemon:
     async def decide_once(self, client, indexes: dict) -> int:
         """One scrape-and-decide round; returns the seconds to wait before the next."""
         namespace, name = self.key
-        obj = _one(indexes["services"], self.key)
+        obj = index_one(indexes["services"], self.key)
         if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
             return 5
         spec = obj.get("spec") or {}
@@ -113,7 +114,7 @@ class _Daemon:
         else:
             live = {p.name for p in pods if not p.deleting}
             signals = await self.scraper.collect(client, now, window, targets, live)
-        quota = _quota(self.key, spec, indexes["tenants"], autoscaling.max_replicas, current)
+        quota = _quota(self.key, spec, indexes, autoscaling.max_replicas, current)
         step = self.scaler.step(
             now=now, spec=autoscaling, current=current, pods=pods, signals=signals, quota=quota
         )
@@ -164,7 +165,7 @@ class _Daemon:
 async def autoscale(stopped: kopf.DaemonStopped, namespace: str, name: str, **kwargs) -> None:
     import httpx
 
-    indexes = {k: kwargs[k] for k in ("services", "pods", "tenants")}
+    indexes = {k: kwargs[k] for k in ("services", "pods", "tenants", "namespace_labels")}
     daemon = _Daemon((namespace, name))
     try:
         # trust_env=False: pod traffic never goes through a proxy from the environment.

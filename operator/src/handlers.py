@@ -27,9 +27,10 @@ from flotilla.operator.drift import drifted
 from flotilla.operator.kube import Kube, api_error_message
 from flotilla.operator.metrics import HEALTH, RECONCILE_DURATION, RECONCILE_ERRORS, RECONCILES
 from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL
-from flotilla.operator.quota import Grant, tenant_for_namespace
+from flotilla.operator.quota import Grant
 from flotilla.operator.reconcile import Event, Plan, World, plan, status_changed
 from flotilla.operator.status import QUOTA_ADMITTED, VALID, with_apply_failures
+from flotilla.operator.tenancy import claims, tenant_of
 
 log = logging.getLogger("flotilla.operator")
 
@@ -54,6 +55,7 @@ class Runtime:
     refused: dict[Key, dict[str, str]] = field(default_factory=dict)  # kind -> why the API refused it
     key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one sync at a time per service
     gpu_types: frozenset[str] = frozenset()
+    namespace_labels: dict[str, dict] = field(default_factory=dict)  # as last seen, to spot label changes
 
 
 RUNTIME: Runtime | None = None
@@ -124,6 +126,16 @@ def tenants(name: str, spec: dict, **_) -> dict:
     return {name: dict(spec)}
 
 
+@kopf.index("", "v1", "namespaces")
+def namespace_labels(name: str, labels: dict, **_) -> dict:
+    """Tenants claim namespaces by name and by label (spec.namespaceSelector)."""
+    return {name: dict(labels)}
+
+
+def labels_by_namespace(index: kopf.Index) -> dict[str, dict]:
+    return {name: next(iter(store), {}) for name, store in index.items()}
+
+
 @kopf.index(*ISVC)
 def services(namespace: str, name: str, body: kopf.Body, **_) -> dict:
     return {(namespace, name): _plain(body)}
@@ -157,7 +169,7 @@ def _plain(value):
     return value
 
 
-def _one(index: kopf.Index, key) -> dict | None:
+def index_one(index: kopf.Index, key) -> dict | None:
     store = index.get(key)
     return next(iter(store), None) if store is not None else None
 
@@ -170,20 +182,20 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _seed_grants(rt: Runtime, services: kopf.Index, tenants: kopf.Index) -> None:
+def _seed_grants(rt: Runtime, services: kopf.Index, tenants: kopf.Index, namespaces: kopf.Index) -> None:
     """After a restart, the ledger starts from what services' status says they were granted."""
-    specs = _tenant_specs(tenants)
+    specs, labels = tenant_specs(tenants), labels_by_namespace(namespaces)
     for key, store in services.items():
         for obj in store:
             spec, status = obj.get("spec") or {}, obj.get("status") or {}
             resources = spec.get("resources") or {}
-            tenant = tenant_for_namespace(key[0], specs.items()) or ""
+            tenant = tenant_of(key[0], specs, labels) or ""
             held = status.get("desiredReplicas", 0) * resources.get("gpus", 1)
             rt.grants.setdefault(key, Grant(tenant, resources.get("gpuType"), held))
     rt.grants_seeded = True
 
 
-def _tenant_specs(tenants: kopf.Index) -> dict[str, TenantSpec]:
+def tenant_specs(tenants: kopf.Index) -> dict[str, TenantSpec]:
     specs = {}
     for name, store in tenants.items():
         for raw in store:
@@ -204,14 +216,15 @@ def _plan(obj: dict, indexes: dict) -> tuple[Plan, Key]:
         obj = {**obj, "status": written}
     with rt.lock:
         if not rt.grants_seeded:
-            _seed_grants(rt, indexes["services"], indexes["tenants"])
+            _seed_grants(rt, indexes["services"], indexes["tenants"], indexes["namespace_labels"])
         world = World(
             config=rt.config,
             now=_now(),
             gpu_types=set(indexes["gpu_nodes"].keys()),
-            tenants=_tenant_specs(indexes["tenants"]),
+            tenants=tenant_specs(indexes["tenants"]),
+            namespace_labels=labels_by_namespace(indexes["namespace_labels"]),
             other_grants=[g for k, g in rt.grants.items() if k != key],
-            deployment=_one(indexes["deployments"], key),
+            deployment=index_one(indexes["deployments"], key),
             pods=list(indexes["pods"].get(key, [])),
             path_exists=os.path.isdir if rt.config.check_local_model_paths else None,
         )
@@ -282,7 +295,7 @@ def sync(obj: dict, indexes: dict, trigger: str, *, mode: str = "full", observed
     with _key_lock(key), RECONCILE_DURATION.labels(trigger).time():
         try:
             result, key = _plan(obj, indexes)
-            to_apply = _to_apply(result, mode, observed, _one(indexes["deployments"], key))
+            to_apply = _to_apply(result, mode, observed, index_one(indexes["deployments"], key))
             if mode == "drift" and to_apply:
                 log.info(
                     "correcting drift of %s %s/%s: %s",
@@ -313,7 +326,10 @@ def reconcile(body: kopf.Body, retry: int, **kwargs) -> None:
 
 
 def _indexes(kwargs: dict) -> dict:
-    return {name: kwargs[name] for name in ("gpu_nodes", "tenants", "services", "deployments", "pods")}
+    return {
+        name: kwargs[name]
+        for name in ("gpu_nodes", "tenants", "namespace_labels", "services", "deployments", "pods")
+    }
 
 
 @kopf.on.event(*ISVC)
@@ -335,7 +351,7 @@ def service_event(event: dict, namespace: str, name: str, **kwargs) -> None:
 
 def _owner_obj(namespace: str, labels: dict, kwargs: dict) -> dict | None:
     owner = labels.get(SERVICE_LABEL)
-    return _one(kwargs["services"], (namespace, owner)) if owner else None
+    return index_one(kwargs["services"], (namespace, owner)) if owner else None
 
 
 def _child_event(event: dict, namespace: str, labels: dict, kwargs: dict, *, check_drift: bool) -> None:
@@ -418,16 +434,33 @@ def node_event(gpu_nodes: kopf.Index, **kwargs) -> None:
     _retry({**kwargs, "gpu_nodes": gpu_nodes}, lambda obj, cond: cond.get(VALID) == "False", "nodes-changed")
 
 
+@kopf.on.event("", "v1", "namespaces")
+def namespace_event(name: str, labels: dict, **kwargs) -> None:
+    # A label change can move a namespace into (or out of) a Tenant's namespaceSelector.
+    rt = runtime()
+    labels = dict(labels or {})
+    previous = rt.namespace_labels.get(name)
+    rt.namespace_labels[name] = labels
+    if previous is None or previous == labels:
+        return
+    _retry(kwargs, lambda obj, cond: obj["metadata"]["namespace"] == name, "namespace-labels-changed")
+
+
 @kopf.on.event(GROUP, VERSION, TENANT.plural)
 def tenant_event(name: str, spec: dict, **kwargs) -> None:
     # Quota or namespaces changed: services in its namespaces (or charged to it) are re-checked.
     rt = runtime()
-    namespaces = set((spec or {}).get("namespaces") or [])
+    try:
+        tenant = TenantSpec.model_validate(spec or {})
+    except ValueError:
+        tenant = TenantSpec()
+    labels = labels_by_namespace(kwargs["namespace_labels"])
     charged = {k for k, g in rt.grants.items() if g.tenant == name}
 
     def affected(obj: dict, cond: dict) -> bool:
         meta = obj["metadata"]
-        in_scope = meta["namespace"] in namespaces or (meta["namespace"], meta["name"]) in charged
+        ns = meta["namespace"]
+        in_scope = claims(tenant, ns, labels.get(ns)) or (ns, meta["name"]) in charged
         return in_scope and cond.get(VALID) != "False"
 
     _retry(kwargs, affected, "tenant-changed")

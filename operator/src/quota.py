@@ -31,12 +31,6 @@ class QuotaDecision:
     message: str
 
 
-def tenant_for_namespace(namespace: str, tenants: Iterable[tuple[str, TenantSpec]]) -> str | None:
-    """The tenant that lists the namespace; the first by name if (wrongly) several do."""
-    claims = sorted(name for name, spec in tenants if namespace in spec.namespaces)
-    return claims[0] if claims else None
-
-
 def used_gpus(grants: Iterable[Grant], tenant: str, gpu_type: str | None) -> int:
     return sum(g.gpus for g in grants if g.tenant == tenant and g.gpu_type == gpu_type)
 

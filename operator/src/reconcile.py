@@ -12,7 +12,7 @@ from flotilla.operator.api import TenantSpec
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.desired import Decision, Owner, children, service_url, target_replicas
 from flotilla.operator.naming import NO_TENANT, selector_string
-from flotilla.operator.quota import Grant, QuotaDecision, decide, tenant_for_namespace, used_gpus
+from flotilla.operator.quota import Grant, QuotaDecision, decide, used_gpus
 from flotilla.operator.status import (
     DEGRADED,
     QUOTA_ADMITTED,
@@ -23,6 +23,7 @@ from flotilla.operator.status import (
     deployment_view,
     pod_view,
 )
+from flotilla.operator.tenancy import tenant_of
 from flotilla.operator.validation import Problem, parse_spec, validate
 
 
@@ -37,6 +38,7 @@ class World:
     other_grants: list[Grant]  # what the other services hold
     deployment: dict | None  # the observed child Deployment
     pods: list[dict] = field(default_factory=list)
+    namespace_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     path_exists: Callable[[str], bool] | None = None
 
 
@@ -79,7 +81,7 @@ def plan(obj: dict, world: World) -> Plan:
     if spec is not None and not problems:
         requested = target_replicas(spec)
         gpus = spec.resources.gpus
-        tenant = tenant_for_namespace(owner.namespace, world.tenants.items())
+        tenant = tenant_of(owner.namespace, world.tenants, world.namespace_labels)
         quota = decide(
             tenant=tenant,
             tenant_spec=world.tenants.get(tenant) if tenant else None,

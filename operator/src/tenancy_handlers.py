@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from flotilla.operator import tenant_rbac
 from flotilla.operator.api import GROUP, TENANT, VERSION, Condition, TenantSpec, TenantStatus, TokenCount
-from flotilla.operator.handlers import runtime
+from flotilla.operator.handlers import labels_by_namespace, runtime
 from flotilla.operator.metering import (
     Span,
     cost,
@@ -51,15 +51,6 @@ APPLY = "application/apply-patch+yaml"
 
 # ---------------------------------------------------------------------------------------------------
 # Indexes
-
-
-def labels_by_namespace(index: kopf.Index) -> dict[str, dict]:
-    return {name: next(iter(store), {}) for name, store in index.items()}
-
-
-@kopf.index("", "v1", "namespaces")
-def namespace_labels(name: str, labels: dict, **_) -> dict:
-    return {name: dict(labels)}
 
 
 def _compact_pod(body) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flotilla.operator.api import TenantSpec
-from flotilla.operator.quota import Grant, decide, tenant_for_namespace, used_gpus
+from flotilla.operator.quota import Grant, decide, used_gpus
 
 TENANT = TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 8})
 
@@ -52,9 +52,6 @@ def test_cpu_only_services_are_free():
     assert _decide(5, gpus=0, gpu_type=None).admitted
 
 
-def test_tenant_lookup_and_usage():
-    tenants = [("b", TenantSpec(namespaces=["x"])), ("a", TenantSpec(namespaces=["team-a"]))]
-    assert tenant_for_namespace("team-a", tenants) == "a"
-    assert tenant_for_namespace("nobody", tenants) is None
+def test_usage_counts_one_tenant_and_type():
     grants = [Grant("a", "h100", 2), Grant("a", "l4", 1), Grant("b", "h100", 4)]
     assert used_gpus(grants, "a", "h100") == 2

@@ -101,3 +101,16 @@ def test_status_changed_ignores_transition_times():
 def test_status_written_by_others_is_not_a_change():
     p = plan(_obj(SPEC), _world())
     assert not status_changed({**p.status, "autoscaling": {"desiredReplicas": 3}}, p.status)
+
+
+def test_a_namespace_selected_by_labels_is_held_to_that_tenants_quota():
+    selecting = TenantSpec.model_validate(
+        {"namespaceSelector": {"matchLabels": {"team": "ml"}}, "gpuQuota": {"h100": 1}}
+    )
+    world = _world(tenants={"ml": selecting}, namespace_labels={"team-a": {"team": "ml"}})
+    p = plan(_obj(SPEC), world)
+    assert p.children[0]["spec"]["replicas"] == 1 and p.grant == Grant("ml", "h100", 1)
+    assert "tenant ml" in _conds(p)["QuotaAdmitted"]["message"]
+
+    unlabelled = plan(_obj(SPEC), _world(tenants={"ml": selecting}, namespace_labels={"team-a": {}}))
+    assert _conds(unlabelled)["QuotaAdmitted"]["reason"] == "NoTenant"
