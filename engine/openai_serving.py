@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -343,20 +344,17 @@ class Serving:
             "usage": self.usage(job),
         }
 
+    def chunk(self, job: Job, kind: str, choices: list[dict], usage: dict | None = None) -> str:
+        """One SSE event of a stream; `usage` is present (null until the last) when the client asked."""
+        body = {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name,
+                "choices": choices}  # fmt: skip
+        if job.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
     async def completion_events(self, job: Job, logprobs: int | None) -> AsyncIterator[str]:
         offsets = dict.fromkeys(range(len(job.choices)), 0)
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {
-                "id": job.request_id,
-                "object": "text_completion",
-                "created": job.created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if job.include_usage:
-                body["usage"] = usage
-            return sse(body)
+        chunk = functools.partial(self.chunk, job, "text_completion")
 
         failed = False
         async for part in self._guarded(self.run(job)):
@@ -381,17 +379,7 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     async def chat_events(self, job: Job, logprobs: bool) -> AsyncIterator[str]:
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {
-                "id": job.request_id,
-                "object": "chat.completion.chunk",
-                "created": job.created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if job.include_usage:
-                body["usage"] = usage
-            return sse(body)
+        chunk = functools.partial(self.chunk, job, "chat.completion.chunk")
 
         yield chunk(
             [

@@ -223,30 +223,34 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 "owned_by": "flotilla", "max_model_len": s.max_model_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
+    async def generate(request: Request, request_model, job_of, answer_of, events_of) -> Response:
+        """Completions and chat alike: checks, one engine job, then a JSON answer or an SSE stream."""
+        arrival = time.time()
+        check_key(request)
+        req = await parse_json_body(request, request_model, settings.max_body_bytes)
+        check_model(req.model)
+        s = serving()
+        job = job_of(s, req, arrival)
+        return await respond(
+            request, job, lambda: answer_of(s, job, req.logprobs), events_of(s, job, req.logprobs)
+        )
+
     @app.post("/v1/completions", response_model=api.CompletionResponse, responses=ERRORS,
               openapi_extra=_doc(api.CompletionRequest))  # fmt: skip
     async def completions(request: Request) -> Response:
-        arrival = time.time()
-        check_key(request)
-        req = await parse_json_body(request, api.CompletionRequest, settings.max_body_bytes)
-        check_model(req.model)
-        s = serving()
-        job = s.completion_job(req, arrival)
-        return await respond(
-            request, job, lambda: s.completion(job, req.logprobs), s.completion_events(job, req.logprobs)
+        return await generate(
+            request,
+            api.CompletionRequest,
+            Serving.completion_job,
+            Serving.completion,
+            Serving.completion_events,
         )
 
     @app.post("/v1/chat/completions", response_model=api.ChatCompletionResponse, responses=ERRORS,
               openapi_extra=_doc(api.ChatCompletionRequest))  # fmt: skip
     async def chat_completions(request: Request) -> Response:
-        arrival = time.time()
-        check_key(request)
-        req = await parse_json_body(request, api.ChatCompletionRequest, settings.max_body_bytes)
-        check_model(req.model)
-        s = serving()
-        job = s.chat_job(req, arrival)
-        return await respond(
-            request, job, lambda: s.chat(job, req.logprobs), s.chat_events(job, req.logprobs)
+        return await generate(
+            request, api.ChatCompletionRequest, Serving.chat_job, Serving.chat, Serving.chat_events
         )
 
     @app.post("/tokenize", response_model=api.TokenizeResponse, responses=ERRORS,
