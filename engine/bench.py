@@ -79,26 +79,10 @@ def run_engine(engine, work: Workload) -> dict[str, Any]:
 
 
 def hf_sequential(model, work: Workload) -> dict[str, Any]:
-    import torch
-
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for prompt, out_len in zip(work.prompts, work.output_lens, strict=True):
-            ids = torch.tensor([prompt])
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=out_len,
-                min_new_tokens=out_len,
-                pad_token_id=0,
-            )
-    elapsed = time.perf_counter() - start
-    return {
-        "seconds": elapsed,
-        "output_tokens": work.output_tokens,
-        "tokens_per_s": work.output_tokens / elapsed,
-    }
+    """One request at a time: batches of one need no padding, so each runs exactly its own length."""
+    result = hf_static_batches(model, work, 1)
+    del result["batch_size"]
+    return result
 
 
 def hf_static_batches(model, work: Workload, batch_size: int) -> dict[str, Any]:
