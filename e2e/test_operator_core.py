@@ -451,26 +451,19 @@ def test_engine_pod_becomes_ready_serves_and_recovers_from_a_kill(cluster, opera
 
 
 def _ready_endpoints(cluster: ClusterHandle, namespace: str, service: str) -> list[str]:
-    """What a kube-proxy or a gateway would route to: the Service's EndpointSlices, ready addresses only."""
-    slices = cluster.get_json(
-        "endpointslices", "-n", namespace, "-l", f"kubernetes.io/service-name={service}"
-    )
-    return sorted(
-        f"http://{address}:{slice_['ports'][0]['port']}/v1"
-        for slice_ in slices["items"]
-        for endpoint in slice_.get("endpoints") or []
-        if (endpoint.get("conditions") or {}).get("ready") and slice_.get("ports")
-        for address in endpoint["addresses"]
-    )
+    """What a router uses here: status.endpoints, the ready pods that are not terminating. (The Service's
+    EndpointSlices would be the usual source, but they cannot hold the local pods' loopback addresses.)"""
+    obj = _get(cluster, "fisvc", service, namespace) or {}
+    return sorted((obj.get("status") or {}).get("endpoints") or [])
 
 
 def test_rollout_drops_no_request(cluster, operator, namespace, tiny_model):
     """A spec change rolls out (maxUnavailable 0, surge 1) while a client keeps sending completions to
-    the Service's ready endpoints: every request succeeds, and both the old and the new pod answered."""
+    the service's ready endpoints: every request succeeds, and both the old and the new pod answered."""
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4}
     cluster.apply(_isvc("rolling", tiny_model, replicas=1, engine=engine), namespace)
     _condition(cluster, namespace, "rolling", "Ready", "True", timeout=300)
-    old_endpoints = wait_for(lambda: _ready_endpoints(cluster, namespace, "rolling"), 60, "an EndpointSlice")
+    old_endpoints = wait_for(lambda: _ready_endpoints(cluster, namespace, "rolling"), 60, "an endpoint")
 
     answered: list[str] = []
     failures: list[str] = []
