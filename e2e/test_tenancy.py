@@ -249,6 +249,33 @@ def test_bad_tenants_are_refused(env, cluster):
     assert negative.returncode != 0 and "spec.gpuQuota.h100" in negative.stderr, negative.stderr
 
 
+def test_a_namespace_joins_a_tenant_by_label_and_its_quota_holds(env, cluster):
+    tenant, ns = f"sel-{RUN}", f"sel-{RUN}"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        selector = {"matchLabels": {"flotilla.dev/test-team": RUN}}
+        cluster.apply(_tenant(tenant, [], 1, f"devs-sel-{RUN}", namespaceSelector=selector))
+        orphan = cluster.kubectl("apply", "-n", ns, "-f", "-", input=_isvc("sel"), check=False)
+        assert orphan.returncode != 0 and "belongs to no tenant" in orphan.stderr, orphan.stderr
+
+        cluster.kubectl("label", "namespace", ns, f"flotilla.dev/test-team={RUN}")
+        wait_for(
+            lambda: (
+                cluster.kubectl("apply", "-n", ns, "-f", "-", input=_isvc("sel"), check=False).returncode == 0
+            ),
+            30,
+            "the webhook to see the label",
+        )
+        pods = wait_for(lambda: _pods(cluster, ns), 60, "the service's pod")
+        env_vars = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
+        assert env_vars["FLOTILLA_TENANT"] == tenant  # the reconciler charged the selecting tenant
+        over = cluster.kubectl("apply", "-n", ns, "-f", "-", input=_isvc("sel-2"), check=False)
+        assert over.returncode != 0 and f"tenant {tenant}" in over.stderr and "h100 quota is 1" in over.stderr
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        cluster.kubectl("delete", "tenant", tenant, "--ignore-not-found", "--wait=false", check=False)
+
+
 def test_members_are_isolated_in_both_directions(env, cluster):
     pairs = [
         (env.alice, env.ns_a, env.tenant_a, env.ns_b, env.tenant_b),
