@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -18,6 +17,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from flotilla.cluster.handle import free_port
 from flotilla.engine.metrics import EngineMetrics
 from flotilla.engine.outputs import EngineStats
 from flotilla.operator import prometheus_source
@@ -30,12 +30,6 @@ PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="needs the prometheus binary (apt install prometheus)"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Exporter:
@@ -78,7 +72,7 @@ def engines(monkeypatch):
 
 @pytest.fixture
 def prometheus(engines, tmp_path):
-    port = _free_port()
+    port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
         "scrape_configs": [
@@ -178,7 +172,7 @@ def test_a_pod_prometheus_does_not_know_counts_as_silent(engines, prometheus):
 
 
 def test_prometheus_down_holds_the_replicas():
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     signals = _collect(closed, {"chat-0", "chat-1"})
     assert signals.waiting == {} and "Prometheus at" in signals.errors["chat-0"]
     spec = Autoscaling.model_validate({"minReplicas": 1, "maxReplicas": 4, "queueDepthTarget": 2})

@@ -11,6 +11,8 @@ import threading
 
 import httpx
 
+from flotilla.cluster.handle import free_port
+
 MODEL_NAME = "tiny"
 BODY = {"model": MODEL_NAME, "prompt": "go on", "max_tokens": 200, "ignore_eos": True}
 
@@ -107,12 +109,6 @@ def _status(url: str) -> int | None:
         return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_refuses_a_bad_model_folder(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "flotilla.cli", "engine", "serve", "--model", str(tmp_path)],
@@ -124,7 +120,7 @@ def test_cli_refuses_a_bad_model_folder(tmp_path):
 
 
 def test_sigterm_drains_in_flight_requests(tiny_model, wait_for):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "flotilla.cli", "engine", "serve", "--model", str(tiny_model),
            "--port", str(port), "--served-model-name", MODEL_NAME, "--kv-cache-memory", "1MiB", "--log-level", "warning"]  # fmt: skip

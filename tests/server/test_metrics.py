@@ -4,13 +4,14 @@ scrapes the engine and answers histogram_quantile(0.95, ...) over TTFT."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from flotilla.cluster.handle import free_port
 
 BODY = {"model": "tiny", "prompt": "count me", "max_tokens": 5, "ignore_eos": True}
 CONTRACT = {
@@ -86,12 +87,6 @@ def test_promtool_check_metrics_passes(server, http):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_real_prometheus_answers_ttft_p95(make_server, monkeypatch, tmp_path, wait_for):
     binary = shutil.which("prometheus")
     if binary is None:
@@ -105,7 +100,7 @@ def test_real_prometheus_answers_ttft_p95(make_server, monkeypatch, tmp_path, wa
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"scrape_configs: [{{job_name: engine, static_configs: [{{targets: ['{target}']}}]}}]\n"
     )
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
