@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import shutil
-import subprocess
 import threading
 import time
 import urllib.request
@@ -14,10 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-import yaml
 from prometheus_client import generate_latest
 
 from flotilla.cluster.handle import free_port
+from flotilla.cluster.prometheus import BINARY as prometheus_binary
+from flotilla.cluster.prometheus import PrometheusProcess
 from flotilla.engine.metrics import EngineMetrics
 from flotilla.engine.outputs import EngineStats
 from flotilla.operator import prometheus_source
@@ -26,9 +25,8 @@ from flotilla.operator.autoscaler import ServiceAutoscaler
 from flotilla.operator.engine_metrics_scrape import PodScraper, parse_engine_metrics
 from flotilla.operator.status import PodView
 
-PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="needs the prometheus binary (apt install prometheus)"
+    prometheus_binary is None, reason="needs the prometheus binary (apt install prometheus)"
 )
 
 
@@ -72,7 +70,6 @@ def engines(monkeypatch):
 
 @pytest.fixture
 def prometheus(engines, tmp_path):
-    port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
         "scrape_configs": [
@@ -85,21 +82,8 @@ def prometheus(engines, tmp_path):
             }
         ],
     }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    _wait(
-        lambda: _get(f"{url}/-/ready") == 200, f"Prometheus to be ready (log: {tmp_path / 'prometheus.log'})"
-    )
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+    with PrometheusProcess(config, tmp_path / "prometheus") as prom:
+        yield prom.url
 
 
 def _get(url: str) -> int:

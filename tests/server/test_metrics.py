@@ -11,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flotilla.cluster.handle import free_port
+from flotilla.cluster.prometheus import BINARY as prometheus_binary
+from flotilla.cluster.prometheus import PrometheusProcess
 
 BODY = {"model": "tiny", "prompt": "count me", "max_tokens": 5, "ignore_eos": True}
 CONTRACT = {
@@ -88,25 +89,16 @@ def test_promtool_check_metrics_passes(server, http):
 
 
 def test_real_prometheus_answers_ttft_p95(make_server, monkeypatch, tmp_path, wait_for):
-    binary = shutil.which("prometheus")
-    if binary is None:
+    if prometheus_binary is None:
         pytest.skip("prometheus is not installed (scripts/bootstrap.sh installs Debian's prometheus)")
     monkeypatch.setenv("FLOTILLA_TENANT", "team-a")
     monkeypatch.setenv("FLOTILLA_SERVICE", "chat")
     server = make_server()
     target = server.url.removeprefix("http://")
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"scrape_configs: [{{job_name: engine, static_configs: [{{targets: ['{target}']}}]}}]\n"
-    )
-    port = free_port()
-    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "engine", "static_configs": [{"targets": [target]}]}],
+    }
     query = (
         "histogram_quantile(0.95, sum by (le, tenant, service) "
         '(rate(flotilla_time_to_first_token_seconds_bucket{tenant="team-a",service="chat"}[30s])))'
@@ -117,19 +109,13 @@ def test_real_prometheus_answers_ttft_p95(make_server, monkeypatch, tmp_path, wa
         time.sleep(0.25)  # a gentle poll: one request and one query per round
         httpx.post(f"{server.url}/v1/completions", json=BODY, trust_env=False)  # keep traffic flowing
         try:
-            resp = httpx.get(
-                f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, trust_env=False
-            )
+            resp = httpx.get(f"{prom.url}/api/v1/query", params={"query": query}, trust_env=False)
         except httpx.TransportError:
             return False
         result = resp.json()["data"]["result"] if resp.status_code == 200 else []
         answers[:] = [float(r["value"][1]) for r in result if r["value"][1] not in ("NaN", "+Inf")]
         return bool(answers)
 
-    try:
+    with PrometheusProcess(config, tmp_path / "prometheus") as prom:
         wait_for(answered, timeout=120, what="Prometheus to answer the TTFT p95 query")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
     assert 0 < answers[0] < 300
