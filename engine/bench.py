@@ -231,6 +231,7 @@ def run_offline(args) -> int:
                 model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=prefix_caching, show_progress=False,
+                cpu_threads=args.threads,
             )
         )  # fmt: skip
 

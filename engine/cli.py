@@ -63,8 +63,8 @@ def add_commands(subparsers) -> None:
     offline.add_argument("--prefix-len", type=int, default=512)
     offline.add_argument("--device", default="auto")
     offline.add_argument("--dtype", default="auto")
-    offline.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     offline.add_argument("--seed", type=int, default=0)
+    offline.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     offline.set_defaults(func=_bench_offline)
 
 

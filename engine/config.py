@@ -174,9 +174,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
     seed: int = 0
+    cpu_threads: int = 0  # torch CPU threads for model steps; 0: torch's default (one per core)
     show_progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be 0 (torch's default) or more, got {self.cpu_threads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):

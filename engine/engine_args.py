@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--attention-backend", default=defaults.attention_backend, choices=["auto", "torch", "triton"]
     )
     group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument(
+        "--threads", type=int, default=defaults.cpu_threads, help="torch CPU threads (0: torch's default)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, show_progress: bool = False) -> EngineConfig:
@@ -72,5 +75,6 @@ def engine_config_from_args(args: argparse.Namespace, show_progress: bool = Fals
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        cpu_threads=args.threads,
         show_progress=show_progress,
     )

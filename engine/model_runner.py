@@ -125,6 +125,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SampleResult]:
+        # The thread count is per calling thread under OpenMP, and a server steps on its own thread.
+        threads = self.config.cpu_threads
+        if threads and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         ids, pos, meta, sample_rows, sample_requests = self._prepare(out)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
         if not sample_requests:
