@@ -1,8 +1,9 @@
 """The autoscaler's Prometheus mode on the local cluster.
 
-A real Prometheus (Debian's package) finds the engine pods the way the usual `kubernetes-pods` job does:
-kubernetes_sd_configs against the local API server with its own ServiceAccount token, keeping pods
-annotated `prometheus.io/scrape`, and labelling series with `namespace` and `pod`. The operator runs with
+A real Prometheus (Debian's package) scrapes the engine pods with the labels the usual `kubernetes-pods`
+job gives, `namespace` and `pod`. Debian builds Prometheus without kubernetes_sd_configs, so the test does
+that discovery itself: it lists the pods annotated `prometheus.io/scrape` through the API server, as a
+ServiceAccount allowed to read only pods there, and writes them to a file_sd target file. The operator runs with
 `--prometheus-url` and reads TTFT p95 and queue depth from it with PromQL. The TTFT target is set far
 below what any request takes, so a little traffic must scale the service from 1 to 2, and only data read
 from Prometheus can make it do so.
@@ -10,19 +11,27 @@ from Prometheus can make it do so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import urllib.parse
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.prometheus import BINARY, PrometheusProcess
-from flotilla.operator.local import OperatorProcess, install_manifests, service_account_kubeconfig
+from flotilla.operator.local import (
+    OperatorProcess,
+    install_manifests,
+    kubeconfig_for,
+    service_account_kubeconfig,
+)
 
 pytestmark = [
     pytest.mark.cluster,
@@ -32,36 +41,53 @@ pytestmark = [
 ]
 
 
-def _scrape_config(cluster: ClusterHandle, namespace: str, token_file: str) -> dict:
-    relabel = [
-        {"source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"], "action": "keep", "regex": "true"},
-        {
-            "source_labels": ["__address__", "__meta_kubernetes_pod_annotation_prometheus_io_port"],
-            "regex": r"([^:]+)(?::\d+)?;(\d+)",
-            "replacement": "$1:$2",
-            "target_label": "__address__",
-        },
-        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-    ]  # fmt: skip
+def _scrape_config(targets_file: Path) -> dict:
     return {
         "global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
         "scrape_configs": [
             {
                 "job_name": "kubernetes-pods",
-                "kubernetes_sd_configs": [
-                    {
-                        "role": "pod",
-                        "api_server": cluster.config.server,
-                        "tls_config": {"ca_file": str(cluster.config.pki_dir / "ca.crt")},
-                        "authorization": {"credentials_file": token_file},
-                        "namespaces": {"names": [namespace]},
-                    }
-                ],
-                "relabel_configs": relabel,
+                "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "2s"}],
             }
         ],
     }
+
+
+def _discover(kubeconfig: Path, namespace: str, targets_file: Path) -> None:
+    """What kubernetes_sd plus the usual relabeling would find: annotated pods with an IP."""
+    from flotilla.cluster.control_plane import kubectl_path
+
+    result = subprocess.run(
+        [str(kubectl_path()), f"--kubeconfig={kubeconfig}", "get", "pods", "-n", namespace, "-o", "json"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    groups = []
+    for pod in json.loads(result.stdout)["items"]:
+        notes = pod["metadata"].get("annotations") or {}
+        ip = (pod.get("status") or {}).get("podIP")
+        if notes.get("prometheus.io/scrape") == "true" and ip:
+            groups.append(
+                {
+                    "targets": [f"{ip}:{notes.get('prometheus.io/port', '80')}"],
+                    "labels": {"namespace": namespace, "pod": pod["metadata"]["name"]},
+                }
+            )
+    partial = targets_file.with_suffix(".partial")
+    partial.write_text(json.dumps(groups))
+    partial.replace(targets_file)  # atomic: Prometheus never reads half a file
+
+
+class Discovery(threading.Thread):
+    def __init__(self, kubeconfig: Path, namespace: str, targets_file: Path):
+        super().__init__(daemon=True)
+        self.args = (kubeconfig, namespace, targets_file)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(subprocess.SubprocessError, ValueError):  # the next round retries
+                _discover(*self.args)
+            self.stop.wait(2)
 
 
 def _query(url: str, promql: str) -> list[dict]:
@@ -89,7 +115,9 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
     cluster.kubectl("create", "rolebinding", "prometheus", "-n", namespace, "--role=pod-reader",
                     f"--serviceaccount={namespace}:prometheus")  # fmt: skip
     token = cluster.kubectl("create", "token", "prometheus", "-n", namespace, "--duration=1h").stdout.strip()
-    (tmp_path / "token").write_text(token)
+    discovery_kubeconfig = kubeconfig_for(cluster, tmp_path / "prometheus.kubeconfig", {"token": token})
+    targets_file = tmp_path / "targets.json"
+    targets_file.write_text("[]")
     model = tmp_path / "tiny-llama"
     subprocess.run(
         [sys.executable, "-m", "flotilla.cli", "model", "init", "--preset", "tiny-llama", str(model)],
@@ -97,9 +125,8 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
         capture_output=True,
     )
     install_manifests(cluster)
-    with PrometheusProcess(
-        _scrape_config(cluster, namespace, str(tmp_path / "token")), tmp_path / "prom"
-    ) as prom:
+    discovery = Discovery(discovery_kubeconfig, namespace, targets_file)
+    with PrometheusProcess(_scrape_config(targets_file), tmp_path / "prom") as prom:
         operator = OperatorProcess(
             service_account_kubeconfig(cluster, tmp_path / "operator.kubeconfig"),
             tmp_path / "operator.log",
@@ -135,10 +162,20 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
                 300,
                 "the engine pod to be ready",
             )
+            # Before discovery runs, Prometheus has no series for the ready pod, and only the Prometheus
+            # source says so: the pod itself answers /metrics all along.
+            wait_for(
+                lambda: (
+                    "no flotilla_num_requests_waiting series in Prometheus" in operator.log_path.read_text()
+                ),
+                60,
+                "the operator to report the pod missing from Prometheus",
+            )
+            discovery.start()
             wait_for(
                 lambda: _query(prom.url, f'up{{namespace="{namespace}"}} == 1'),
                 90,
-                "Prometheus to discover and scrape the engine pod through the API server",
+                "Prometheus to scrape the discovered engine pod",
             )
             endpoint = status["endpoints"][0]
             for _ in range(6):
@@ -159,4 +196,5 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
             # The autoscaler daemon's finalizer needs a running operator to let the service go.
             cluster.kubectl("delete", "fisvc", "chat", "-n", namespace, "--timeout=60s", check=False)
             operator.stop()
+            discovery.stop.set()
             cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
