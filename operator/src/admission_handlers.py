@@ -34,7 +34,20 @@ log = logging.getLogger("flotilla.operator.admission")
 LEDGER = admission.Ledger()
 # Tenants admitted moments ago that the index may not show yet: name -> (spec, expiry).
 _recent_tenants: dict[str, tuple[TenantSpec, float]] = {}
-_tenants_lock = threading.Lock()
+_tenants_lock = threading.RLock()  # admit_tenant holds it across _known_tenants
+RECENT_TENANT_SECONDS = 30.0
+
+
+def _known_tenants(kwargs: dict) -> dict[str, TenantSpec]:
+    """The tenants index, plus Tenants this webhook admitted moments ago that the watch has not delivered
+    yet (newest first): `kubectl apply` of a Tenant and its first service together must not race."""
+    with _tenants_lock:
+        now = time.monotonic()
+        for name, (_, expiry) in list(_recent_tenants.items()):
+            if expiry <= now:
+                del _recent_tenants[name]
+        recent = {name: spec for name, (spec, _) in _recent_tenants.items()}
+    return {**tenant_specs(kwargs["tenants"]), **recent}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,7 +142,7 @@ def _admit(
     if new is None:
         return  # malformed: the CRD schema and the reconciler's Valid condition explain it
     old = parse_spec(old_raw)[0] if old_raw is not None else None
-    tenants = tenant_specs(kwargs["tenants"])
+    tenants = _known_tenants(kwargs)
     labels = labels_by_namespace(kwargs["namespace_labels"])
     tenant = tenant_of(namespace, tenants, labels)
     key = (namespace, name)
@@ -174,13 +187,9 @@ def admit_tenant(body, name: str, dryrun: bool, **kwargs) -> None:
         raise kopf.AdmissionError(f"tenant {name}: {exc}", code=422) from exc
     labels = labels_by_namespace(kwargs["namespace_labels"])
     with _tenants_lock:
-        now = time.monotonic()
-        for other, (_, expiry) in list(_recent_tenants.items()):
-            if expiry <= now:
-                del _recent_tenants[other]
-        others = {**{n: s for n, (s, _) in _recent_tenants.items()}, **tenant_specs(kwargs["tenants"])}
+        others = _known_tenants(kwargs)
         problems = tenant_problems(name, spec, others, labels)
         if not problems and not dryrun:
-            _recent_tenants[name] = (spec, now + 30.0)
+            _recent_tenants[name] = (spec, time.monotonic() + RECENT_TENANT_SECONDS)
     if problems:
         raise kopf.AdmissionError("; ".join(problems), code=422)
