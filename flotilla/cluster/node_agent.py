@@ -18,7 +18,7 @@ from pathlib import Path
 
 from flotilla.cluster.kubeclient import ApiError, KubeClient
 from flotilla.cluster.pod_runtime import PodRuntime, now_rfc3339
-from flotilla.cluster.pod_status import pod_status, simulated_status
+from flotilla.cluster.pod_status import overwritten, pod_status, simulated_status
 from flotilla.cluster.processes import ProcessTable, stop_all
 
 HOST_IP = "127.0.0.1"
@@ -88,6 +88,7 @@ class NodeAgent:
         self.runtimes: dict[str, PodRuntime] = {}
         self.simulated: dict[str, str] = {}  # uid -> pod IP, for --simulate
         self.sent: dict[str, dict] = {}  # uid -> last status written
+        self.sent_over: dict[str, str | None] = {}  # uid -> resourceVersion our last write replaced
         self.stopping = threading.Event()
 
     # -- nodes and leases -------------------------------------------------------------------------
@@ -251,11 +252,16 @@ class NodeAgent:
         return f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
 
     def _write_status(self, uid: str, pod: dict, status: dict) -> None:
-        if self.sent.get(uid) == status:
+        version = pod["metadata"].get("resourceVersion")
+        if self.sent.get(uid) == status and (
+            version == self.sent_over.get(uid)  # the watch has not delivered our write yet
+            or not overwritten(pod.get("status") or {}, status)
+        ):
             return
         try:
             self.client.strategic_patch(self._pod_path(pod) + "/status", {"status": status})
             self.sent[uid] = status
+            self.sent_over[uid] = version
         except ApiError as exc:
             if exc.status != 404:
                 log(f"status of {pod['metadata']['namespace']}/{pod['metadata']['name']}: {exc}")
@@ -276,6 +282,7 @@ class NodeAgent:
         if ip:
             self.nodes[pod["spec"]["nodeName"]].release(ip)
         self.sent.pop(uid, None)
+        self.sent_over.pop(uid, None)
 
     def sync_once(self) -> None:
         now = time.monotonic()

@@ -102,3 +102,17 @@ def simulated_status(pod: dict, pod_ip: str, host_ip: str, start_time: str) -> d
         ],
         "containerStatuses": statuses,
     }
+
+
+def overwritten(observed: dict, ours: dict) -> bool:
+    """Whether someone else changed what the agent reported: the phase, the pod IP or a condition's
+    status. The node lifecycle controller marks pods NotReady when a node misses its lease; a kubelet
+    re-asserts its own view once it is back, and so must the agent."""
+
+    def view(status: dict) -> tuple:
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        return status.get("phase"), status.get("podIP"), conditions
+
+    mine = view(ours)
+    theirs = view(observed)
+    return mine[:2] != theirs[:2] or any(theirs[2].get(k) != v for k, v in mine[2].items())

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from flotilla.cluster.handle import ClusterHandle
     from flotilla.operator.local import OperatorProcess, install_manifests, service_account_kubeconfig
 
+    # SIGTERM unwinds like Ctrl-C, so the finally below stops the operator and the bench cluster.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     state_dir = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
     cfg = ClusterConfig(
         state_dir=state_dir,
