@@ -57,7 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument(
-        "--threads", type=int, default=defaults.cpu_threads, help="torch CPU threads (0: torch's default)"
+        "--threads",
+        type=int,
+        default=defaults.cpu_threads,
+        help="torch CPU threads (0: all cores but one when serving, torch's default otherwise)",
     )
 
 

@@ -45,6 +45,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def serving_threads() -> int:
+    """A server's default torch CPU threads: all cores but one, which the HTTP loop needs to stream tokens
+    (measured on 2 cores, tiny-llama, 16 streams: 209 output tok/s with 1 thread, 167 with 2)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -59,6 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:  # fail fast, before listening, on a folder that cannot load
         ModelConfig.from_file(folder / "config.json")
         ModelTokenizer(folder)
+        if args.threads == 0:
+            args.threads = serving_threads()
         config = engine_config_from_args(args)
     except (ModelLoadError, ValueError) as exc:
         print(f"flotilla engine serve: {exc}", file=sys.stderr)
