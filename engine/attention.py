@@ -38,11 +38,18 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of a cache, in order: [len(block_ids), block_size, KVH, D]. index_select over rows of
+    one block each copies about twice as fast on CPU as advanced indexing."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.long())
+    return rows.view(-1, *cache.shape[1:])
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one request's K or V: [length, KVH, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+    return gather_blocks(cache, block_table[:num_blocks]).flatten(0, 1)[:length]
 
 
 def paged_decode_attention(
@@ -69,10 +76,11 @@ def _decode_group(query, k_cache, v_cache, block_tables, seq_lens, scale):
     block_size = k_cache.shape[1]
     max_len = max(seq_lens)
     num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].long()
+    tables = block_tables[:, :num_blocks].flatten()
+    batch = block_tables.shape[0]
     # Gather each request's blocks: [B, L, KVH, D] -> [B, KVH, L, D], padded to the group's longest.
-    keys = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    keys = gather_blocks(k_cache, tables).view(batch, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
+    values = gather_blocks(v_cache, tables).view(batch, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
     lens = torch.tensor(seq_lens, device=query.device)
     valid = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
     out = F.scaled_dot_product_attention(
