@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -10,7 +11,9 @@ from flotilla.cluster.control_plane import ClusterConfig, down, up
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.paths import default_state_dir
 
-TEST_POD_IP_BASE = 7  # pods get 127.7.x.y; the default cluster uses 127.1.x.y
+# Pods get 127.7.x.y (the default cluster uses 127.1.x.y); two suites at once need different bases, and
+# different FLOTILLA_CLUSTER_DIR parents.
+TEST_POD_IP_BASE = int(os.environ.get("FLOTILLA_TEST_POD_IP_BASE", "7"))
 
 
 @pytest.fixture(scope="session")

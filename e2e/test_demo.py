@@ -25,6 +25,10 @@ def test_demo_ends_with_a_ready_service_answering_a_completion(cluster: ClusterH
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "text: '" in result.stdout and "usage: " in result.stdout, result.stdout
+        # Token metering end to end: the operator read the engine pod's counters into the Tenant.
+        tenant = cluster.get_json("tenant", "demo-team")["status"]
+        assert tenant["tokens"]["output"] >= 12 and tenant["tokens"]["input"] > 0, tenant
+        assert "tokens in" in result.stdout, result.stdout
         ready = cluster.kubectl(
             "get", "fisvc", "tiny-chat", "-n", "demo", "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}"
         ).stdout  # fmt: skip

@@ -107,6 +107,18 @@ def _wait_ready(cluster, timeout: float) -> dict:
     raise SystemExit(f"demo: {SERVICE} was not Ready after {timeout:.0f}s; see `kubectl describe fisvc`")
 
 
+def _wait_metered(cluster, output_tokens: int, timeout: float) -> dict | None:
+    """The Tenant's status once metering has counted at least `output_tokens` generated tokens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = cluster.kubectl("get", "tenant", TENANT, "-o", "json", check=False)
+        status = (yaml.safe_load(result.stdout) or {}).get("status") or {} if result.returncode == 0 else {}
+        if (status.get("tokens") or {}).get("output", 0) >= output_tokens:
+            return status
+        time.sleep(2)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
@@ -138,12 +150,24 @@ def run(args: argparse.Namespace) -> int:
 
     _step(f"one completion through the openai client at {endpoint}")
     client = OpenAI(base_url=endpoint, api_key="unused", timeout=120)
-    answer = client.completions.create(model="tiny-llama", prompt="The fleet sails", max_tokens=12)
+    answer = client.completions.create(
+        model="tiny-llama", prompt="The fleet sails", max_tokens=12, extra_body={"ignore_eos": True}
+    )
     print(f"   text: {answer.choices[0].text!r}")
     print(
         f"   usage: {answer.usage.prompt_tokens} prompt + {answer.usage.completion_tokens} completion tokens"
     )
     print("   (the weights are random, so the text is noise; the path through the fleet is real)")
+
+    _step(f"metering: what Tenant {TENANT} has used, once the operator's next round has read the engine")
+    tenant = _wait_metered(cluster, answer.usage.completion_tokens, timeout=60)
+    if tenant is None:
+        print("   no metering round counted the completion within 60 s; see `kubectl get tenant -o yaml`")
+    else:
+        tokens = tenant.get("tokens") or {}
+        gpu_seconds = ((tenant.get("usage") or {}).get("total") or {}).get("total", 0.0)
+        print(f"   {gpu_seconds:.0f} GPU-seconds, {tokens.get('input', 0)} tokens in, "
+              f"{tokens.get('output', 0)} out, cost so far ${tenant.get('cost', 0.0):.4f}")  # fmt: skip
 
     print()
     print(f"export KUBECONFIG={config.kubeconfig}")
