@@ -184,7 +184,8 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
             def scaled() -> dict | None:
                 obj = cluster.get_json("fisvc", "chat", "-n", namespace)
                 auto = (obj.get("status") or {}).get("autoscaling") or {}
-                return auto if obj["spec"]["replicas"] == 2 else None
+                # The scale is patched before the decision's status: wait for both.
+                return auto if obj["spec"]["replicas"] == 2 and auto.get("desiredReplicas") == 2 else None
 
             auto = wait_for(scaled, 120, "a scale-up from TTFT read through Prometheus")
             assert auto["currentMetrics"]["ttftP95Seconds"] > 0.0001, auto
