@@ -32,7 +32,13 @@ import pytest
 import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
-from flotilla.operator.local import OperatorProcess, install_manifests, service_account_kubeconfig
+from flotilla.operator.local import (
+    OperatorProcess,
+    inference_service,
+    install_manifests,
+    service_account_kubeconfig,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -130,28 +136,23 @@ def _manifests(namespace: str, tenant: str, model: Path) -> str:
         "metadata": {"name": tenant},
         "spec": {"namespaces": [namespace], "gpuQuota": {"h100": QUOTA_AT_ADMISSION}},
     }
-    service = {
-        "apiVersion": "flotilla.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "chat", "namespace": namespace},
-        "spec": {
-            "model": {"uri": f"file://{model}", "servedName": "tiny"},
-            "resources": {"gpus": 1, "gpuType": "h100"},
-            "replicas": 1,
-            # Two sequences per batch: a CPU engine queues quickly under a few requests per second.
-            "engine": {"maxNumSeqs": 2},
-            "autoscaling": {
-                "minReplicas": 1,
-                "maxReplicas": 3,
-                "ttftP95TargetSeconds": TTFT_TARGET,
-                "queueDepthTarget": QUEUE_TARGET,
-                "tolerance": TOLERANCE,
-                "periodSeconds": PERIOD,
-                "ttftWindowSeconds": TTFT_WINDOW,
-                "scaleDownWindowSeconds": DOWN_WINDOW,
-            },
+    service = inference_service(
+        "chat",
+        model,
+        namespace,
+        # Two sequences per batch: a CPU engine queues quickly under a few requests per second.
+        engine={"maxNumSeqs": 2},
+        autoscaling={
+            "minReplicas": 1,
+            "maxReplicas": 3,
+            "ttftP95TargetSeconds": TTFT_TARGET,
+            "queueDepthTarget": QUEUE_TARGET,
+            "tolerance": TOLERANCE,
+            "periodSeconds": PERIOD,
+            "ttftWindowSeconds": TTFT_WINDOW,
+            "scaleDownWindowSeconds": DOWN_WINDOW,
         },
-    }
+    )
     return yaml.safe_dump_all([tenant_obj, service])
 
 
@@ -163,12 +164,7 @@ def _over_target(row: dict) -> bool:
 @pytest.fixture(scope="module")
 def run(cluster: ClusterHandle, operator_metrics_url: str, tmp_path_factory) -> Run:
     workdir = tmp_path_factory.mktemp("autoscale")
-    model = workdir / "tiny-llama"
-    subprocess.run(
-        [sys.executable, "-m", "flotilla.cli", "model", "init", "--preset", "tiny-llama", str(model)],
-        check=True,
-        capture_output=True,
-    )
+    model = tiny_model(workdir / "tiny-llama")
     namespace, tenant = f"as-{uuid.uuid4().hex[:6]}", f"as-tenant-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     cluster.apply(_manifests(namespace, tenant, model))

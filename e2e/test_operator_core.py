@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -28,8 +25,11 @@ from flotilla.operator.local import (
     OPERATOR_NS,
     OPERATOR_SA,
     OperatorProcess,
+    complete,
+    inference_service,
     install_manifests,
     service_account_kubeconfig,
+    tiny_model,
 )
 
 pytestmark = pytest.mark.cluster
@@ -55,21 +55,7 @@ def model_dir(tmp_path) -> Path:
 
 
 def _isvc(name: str, model: Path | str, *, replicas: int = 1, **spec) -> str:
-    uri = model if isinstance(model, str) else f"file://{model}"
-    body = {
-        "model": {"uri": uri, "servedName": "tiny"},
-        "resources": {"gpus": 1, "gpuType": "h100"},
-        "replicas": replicas,
-        **spec,
-    }
-    return yaml.safe_dump(
-        {
-            "apiVersion": "flotilla.dev/v1alpha1",
-            "kind": "InferenceService",
-            "metadata": {"name": name},
-            "spec": body,
-        }
-    )
+    return yaml.safe_dump(inference_service(name, model, replicas=replicas, **spec))
 
 
 def _get(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> dict | None:
@@ -393,37 +379,19 @@ def test_operator_restart_converges_without_duplicates(cluster, operator, namesp
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    subprocess.run(
-        [sys.executable, "-m", "flotilla.cli", "model", "init", "--preset", "tiny-llama", str(path)],
-        check=True,
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
-        capture_output=True,
-        timeout=600,
-    )
-    return path
+def tiny_llama(tmp_path_factory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
-def _complete(endpoint: str) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 4}).encode()
-    request = urllib.request.Request(
-        f"{endpoint}/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as rsp:
-        assert rsp.status == 200
-        return json.loads(rsp.read())
-
-
-def test_engine_pod_becomes_ready_serves_and_recovers_from_a_kill(cluster, operator, namespace, tiny_model):
+def test_engine_pod_becomes_ready_serves_and_recovers_from_a_kill(cluster, operator, namespace, tiny_llama):
     """The real engine (`flotilla engine serve`, CPU, random-weight tiny model) in a pod the operator made."""
     cluster.apply(
-        _isvc("live", tiny_model, replicas=1, engine={"kvCacheMemory": "64Mi", "maxNumSeqs": 4}), namespace
+        _isvc("live", tiny_llama, replicas=1, engine={"kvCacheMemory": "64Mi", "maxNumSeqs": 4}), namespace
     )
     _condition(cluster, namespace, "live", "Ready", "True", timeout=300)
     status = _get(cluster, "fisvc", "live", namespace)["status"]
     (endpoint,) = status["endpoints"]
-    answer = _complete(endpoint)
+    answer = complete(endpoint)
     assert answer["model"] == "tiny" and isinstance(answer["choices"][0]["text"], str)
 
     (pod,) = _pods(cluster, namespace, "live")
@@ -447,7 +415,7 @@ def test_engine_pod_becomes_ready_serves_and_recovers_from_a_kill(cluster, opera
     endpoint = wait_for(
         lambda: _get(cluster, "fisvc", "live", namespace)["status"]["endpoints"], 60, "endpoints"
     )[0]
-    assert _complete(endpoint)["choices"]
+    assert complete(endpoint)["choices"]
 
 
 def _ready_endpoints(cluster: ClusterHandle, namespace: str, service: str) -> list[str]:
@@ -457,11 +425,11 @@ def _ready_endpoints(cluster: ClusterHandle, namespace: str, service: str) -> li
     return sorted((obj.get("status") or {}).get("endpoints") or [])
 
 
-def test_rollout_drops_no_request(cluster, operator, namespace, tiny_model):
+def test_rollout_drops_no_request(cluster, operator, namespace, tiny_llama):
     """A spec change rolls out (maxUnavailable 0, surge 1) while a client keeps sending completions to
     the service's ready endpoints: every request succeeds, and both the old and the new pod answered."""
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4}
-    cluster.apply(_isvc("rolling", tiny_model, replicas=1, engine=engine), namespace)
+    cluster.apply(_isvc("rolling", tiny_llama, replicas=1, engine=engine), namespace)
     _condition(cluster, namespace, "rolling", "Ready", "True", timeout=300)
     old_endpoints = wait_for(lambda: _ready_endpoints(cluster, namespace, "rolling"), 60, "an endpoint")
 
@@ -480,7 +448,7 @@ def test_rollout_drops_no_request(cluster, operator, namespace, tiny_model):
             endpoint = endpoints[turn % len(endpoints)]
             turn += 1
             try:
-                _complete(endpoint)
+                complete(endpoint)
                 answered.append(endpoint)
             except Exception as exc:  # noqa: BLE001 - every failure is what the test reports
                 failures.append(f"{endpoint}: {exc!r}")
@@ -490,7 +458,7 @@ def test_rollout_drops_no_request(cluster, operator, namespace, tiny_model):
     try:
         wait_for(lambda: len(answered) >= 3, 120, "requests before the rollout")
         engine["maxNumSeqs"] = 6  # a new pod template: the Deployment rolls
-        cluster.apply(_isvc("rolling", tiny_model, replicas=1, engine=engine), namespace)
+        cluster.apply(_isvc("rolling", tiny_llama, replicas=1, engine=engine), namespace)
 
         def rolled_out():
             pods = _pods(cluster, namespace, "rolling")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import threading
 import urllib.parse
 import urllib.request
@@ -28,9 +27,12 @@ from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.prometheus import BINARY, PrometheusProcess
 from flotilla.operator.local import (
     OperatorProcess,
+    complete,
+    inference_service,
     install_manifests,
     kubeconfig_for,
     service_account_kubeconfig,
+    tiny_model,
 )
 
 pytestmark = [
@@ -95,15 +97,6 @@ def _query(url: str, promql: str) -> list[dict]:
         return json.loads(rsp.read())["data"]["result"]
 
 
-def _complete(endpoint: str) -> None:
-    body = json.dumps({"model": "tiny", "prompt": "Hello there", "max_tokens": 8}).encode()
-    request = urllib.request.Request(
-        f"{endpoint}/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as rsp:
-        assert rsp.status == 200
-
-
 def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHandle, tmp_path):
     namespace = f"prom-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
@@ -118,12 +111,7 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
     discovery_kubeconfig = kubeconfig_for(cluster, tmp_path / "prometheus.kubeconfig", {"token": token})
     targets_file = tmp_path / "targets.json"
     targets_file.write_text("[]")
-    model = tmp_path / "tiny-llama"
-    subprocess.run(
-        [sys.executable, "-m", "flotilla.cli", "model", "init", "--preset", "tiny-llama", str(model)],
-        check=True,
-        capture_output=True,
-    )
+    model = tiny_model(tmp_path / "tiny-llama")
     install_manifests(cluster)
     discovery = Discovery(discovery_kubeconfig, namespace, targets_file)
     with PrometheusProcess(_scrape_config(targets_file), tmp_path / "prom") as prom:
@@ -134,25 +122,20 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
         )
         operator.start()
         try:
-            service = {
-                "apiVersion": "flotilla.dev/v1alpha1",
-                "kind": "InferenceService",
-                "metadata": {"name": "chat", "namespace": namespace},
-                "spec": {
-                    "model": {"uri": f"file://{model}", "servedName": "tiny"},
-                    "resources": {"gpus": 1, "gpuType": "h100"},
-                    "engine": {"kvCacheMemory": "64Mi", "maxNumSeqs": 4},
-                    "replicas": 1,
-                    "autoscaling": {
-                        "minReplicas": 1,
-                        "maxReplicas": 2,
-                        "ttftP95TargetSeconds": 0.0001,
-                        "queueDepthTarget": 1000,
-                        "periodSeconds": 3,
-                        "ttftWindowSeconds": 60,
-                    },
+            service = inference_service(
+                "chat",
+                model,
+                namespace,
+                engine={"kvCacheMemory": "64Mi", "maxNumSeqs": 4},
+                autoscaling={
+                    "minReplicas": 1,
+                    "maxReplicas": 2,
+                    "ttftP95TargetSeconds": 0.0001,
+                    "queueDepthTarget": 1000,
+                    "periodSeconds": 3,
+                    "ttftWindowSeconds": 60,
                 },
-            }
+            )
             cluster.apply(yaml.safe_dump(service))
             status = wait_for(
                 lambda: (
@@ -179,7 +162,7 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
             )
             endpoint = status["endpoints"][0]
             for _ in range(6):
-                _complete(endpoint)
+                complete(endpoint)
 
             def scaled() -> dict | None:
                 obj = cluster.get_json("fisvc", "chat", "-n", namespace)

@@ -9,7 +9,6 @@ Ready=True and asks it for one completion through the official `openai` client.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _manifests(model_dir: Path) -> str:
+    from flotilla.operator.local import inference_service
+
     tenant = {
         "apiVersion": "flotilla.dev/v1alpha1",
         "kind": "Tenant",
@@ -40,17 +41,13 @@ def _manifests(model_dir: Path) -> str:
             "pricePerGPUHour": {"h100": 2.5},
         },
     }
-    service = {
-        "apiVersion": "flotilla.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": SERVICE, "namespace": NAMESPACE},
-        "spec": {
-            "model": {"uri": f"file://{model_dir}", "servedName": "tiny-llama"},
-            "engine": {"kvCacheMemory": "64Mi", "maxNumSeqs": 8},
-            "resources": {"gpus": 1, "gpuType": "h100"},
-            "replicas": 1,
-        },
-    }
+    service = inference_service(
+        SERVICE,
+        model_dir,
+        NAMESPACE,
+        model={"uri": f"file://{model_dir}", "servedName": "tiny-llama"},
+        engine={"kvCacheMemory": "64Mi", "maxNumSeqs": 8},
+    )
     return yaml.safe_dump_all([tenant, service])
 
 
@@ -59,15 +56,11 @@ def _step(message: str) -> None:
 
 
 def _model(state_dir: Path) -> Path:
+    from flotilla.operator.local import tiny_model
+
     model_dir = state_dir / "models" / "tiny-llama"
-    if (model_dir / "config.json").exists():
-        print(f"   reusing {model_dir}")
-        return model_dir
-    subprocess.run(
-        [sys.executable, "-m", "flotilla.cli", "model", "init", "--preset", "tiny-llama", str(model_dir)],
-        check=True,
-    )
-    return model_dir
+    print(f"   {'reusing' if (model_dir / 'config.json').exists() else 'writing'} {model_dir}")
+    return tiny_model(model_dir)
 
 
 def _start_operator(cluster, state_dir: Path):

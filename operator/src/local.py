@@ -4,6 +4,7 @@ operator always runs under its least-privilege identity, never as admin."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -108,3 +109,44 @@ class OperatorProcess:
                 return rsp.status, rsp.read().decode()
         except OSError as exc:
             return 0, str(exc)
+
+
+def tiny_model(path: Path) -> Path:
+    """A random-weight tiny-llama folder (`flotilla model init`), written once."""
+    if not (path / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "flotilla.cli", "model", "init", "--preset", "tiny-llama", str(path)],
+            check=True,
+            capture_output=True,
+            timeout=600,
+            env={**os.environ, "PYTHONSAFEPATH": "1"},
+        )
+    return path
+
+
+def inference_service(name: str, model: Path | str, namespace: str | None = None, **spec) -> dict:
+    """An InferenceService on one H100 per replica; `spec` fields (camelCase) are added or replace."""
+    uri = model if isinstance(model, str) else f"file://{model}"
+    metadata = {"name": name, **({"namespace": namespace} if namespace else {})}
+    body = {
+        "model": {"uri": uri, "servedName": "tiny"},
+        "resources": {"gpus": 1, "gpuType": "h100"},
+        "replicas": 1,
+    }
+    return {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": metadata,
+        "spec": {**body, **spec},
+    }
+
+
+def complete(endpoint: str, prompt: str = "Hello", max_tokens: int = 4, model: str = "tiny") -> dict:
+    """One completion from an OpenAI base URL (`status.endpoints`); fails unless it answers 200."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(
+        f"{endpoint}/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as rsp:
+        assert rsp.status == 200, rsp.status
+        return json.loads(rsp.read())
