@@ -45,7 +45,7 @@ def _manifests(model_dir: Path) -> str:
         SERVICE,
         model_dir,
         NAMESPACE,
-        model={"uri": f"file://{model_dir}", "servedName": "tiny-llama"},
+        served_name="tiny-llama",
         engine={"kvCacheMemory": "64Mi", "maxNumSeqs": 8},
     )
     return yaml.safe_dump_all([tenant, service])

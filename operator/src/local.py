@@ -124,12 +124,14 @@ def tiny_model(path: Path) -> Path:
     return path
 
 
-def inference_service(name: str, model: Path | str, namespace: str | None = None, **spec) -> dict:
+def inference_service(
+    name: str, model: Path | str, namespace: str | None = None, served_name: str = "tiny", **spec
+) -> dict:
     """An InferenceService on one H100 per replica; `spec` fields (camelCase) are added or replace."""
     uri = model if isinstance(model, str) else f"file://{model}"
     metadata = {"name": name, **({"namespace": namespace} if namespace else {})}
     body = {
-        "model": {"uri": uri, "servedName": "tiny"},
+        "model": {"uri": uri, "servedName": served_name},
         "resources": {"gpus": 1, "gpuType": "h100"},
         "replicas": 1,
     }
