@@ -119,8 +119,9 @@ def _as(cluster: ClusterHandle, kubeconfig: Path, *args: str, input: str | None 
 
 
 class Env:
-    def __init__(self, cluster, operator, workdir):
+    def __init__(self, cluster, operator, workdir, webhook_port: int):
         self.cluster, self.operator, self.workdir = cluster, operator, workdir
+        self.webhook_port = webhook_port
         self.tenant_a, self.tenant_b = f"team-a-{RUN}", f"team-b-{RUN}"
         self.ns_a, self.ns_b = f"ta-{RUN}", f"tb-{RUN}"
         self.alice = _user_kubeconfig(cluster, workdir, f"alice-{RUN}", f"devs-a-{RUN}")
@@ -138,8 +139,7 @@ def env(cluster: ClusterHandle, tmp_path_factory):
         workdir / "operator.log",
         ("--webhook-port", str(webhook_port), "--metering-interval", str(METERING_INTERVAL)),
     )
-    operator.webhook_port = webhook_port
-    e = Env(cluster, operator, workdir)
+    e = Env(cluster, operator, workdir, webhook_port)
     for ns in (e.ns_a, e.ns_b):
         cluster.kubectl("create", "namespace", ns)
     operator.start()
@@ -183,7 +183,7 @@ def test_webhook_is_tls_from_a_ca_in_a_secret_with_fail_policy(env):
     hooks = config["webhooks"]
     assert hooks and all(h["failurePolicy"] == "Fail" for h in hooks)
     for hook in hooks:
-        assert hook["clientConfig"]["url"].startswith(f"https://127.0.0.1:{env.operator.webhook_port}/")
+        assert hook["clientConfig"]["url"].startswith(f"https://127.0.0.1:{env.webhook_port}/")
         assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     resources = {r for h in hooks for rule in h["rules"] for r in rule["resources"]}
     assert resources >= {"inferenceservices", "inferenceservices/scale", "tenants"}
