@@ -7,6 +7,7 @@ import argparse
 
 def add_commands(subparsers) -> None:
     from flotilla.engine.bench_serve import add_bench_serve_args
+    from flotilla.engine.engine_args import thread_count
     from flotilla.engine.serve_cli import add_serve_args
 
     serve = subparsers.add_parser(
@@ -64,7 +65,9 @@ def add_commands(subparsers) -> None:
     offline.add_argument("--device", default="auto")
     offline.add_argument("--dtype", default="auto")
     offline.add_argument("--seed", type=int, default=0)
-    offline.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    offline.add_argument(
+        "--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)"
+    )
     offline.set_defaults(func=_bench_offline)
 
 

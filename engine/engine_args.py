@@ -22,6 +22,17 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def thread_count(text: str) -> int:
+    """--threads: 0 (the default count) or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (the default count) or more, got {value}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("engine")
@@ -58,7 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument(
         "--threads",
-        type=int,
+        type=thread_count,
         default=defaults.cpu_threads,
         help="torch CPU threads (0: all cores but one when serving, torch's default otherwise)",
     )

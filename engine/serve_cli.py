@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -62,12 +63,18 @@ def run_serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     folder = Path(args.model)
-    try:  # fail fast, before listening, on a folder that cannot load
+    try:  # fail fast, before listening, on flags or a folder that cannot work
+        for flag, value in (
+            ("--shutdown-delay", args.shutdown_delay),
+            ("--drain-timeout", args.drain_timeout),
+        ):
+            if value < 0:
+                raise ValueError(f"{flag} must be 0 seconds or more, got {value}")
+        config = engine_config_from_args(args)
+        if config.cpu_threads == 0:
+            config = dataclasses.replace(config, cpu_threads=serving_threads())
         ModelConfig.from_file(folder / "config.json")
         ModelTokenizer(folder)
-        if args.threads == 0:
-            args.threads = serving_threads()
-        config = engine_config_from_args(args)
     except (ModelLoadError, ValueError) as exc:
         print(f"flotilla engine serve: {exc}", file=sys.stderr)
         return 2

@@ -87,9 +87,17 @@ class OperatorProcess:
                 self.proc = subprocess.Popen(
                     self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.log_path.parent
                 )
-        wait_for(
-            lambda: self.get("/healthz")[0] == 200, timeout, f"the operator's /healthz (log: {self.log_path})"
-        )
+        try:
+            wait_for(
+                lambda: self.get("/healthz")[0] == 200,
+                timeout,
+                f"the operator's /healthz (log: {self.log_path})",
+            )
+        except BaseException:
+            self.stop()  # an operator that never became healthy is not left running
+            if table is not None:
+                table.forget("operator")
+            raise
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -10,6 +10,7 @@ import sys
 import threading
 
 import httpx
+import pytest
 
 from flotilla.cluster.handle import free_port
 
@@ -149,3 +150,22 @@ def test_sigterm_drains_in_flight_requests(tiny_model, wait_for):
             proc.wait()
     log = proc.stdout.read()
     assert "Traceback" not in log, log
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--threads", "-1"], "argument --threads: must be 0 (the default count) or more, got -1"),
+        (["--shutdown-delay", "-5"], "--shutdown-delay must be 0 seconds or more, got -5.0"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be 0 seconds or more, got -1.0"),
+    ],
+    ids=["threads", "shutdown-delay", "drain-timeout"],
+)
+def test_cli_refuses_bad_flags_before_listening(tiny_model, flags, words):
+    proc = subprocess.run(
+        [sys.executable, "-m", "flotilla.cli", "engine", "serve", "--model", str(tiny_model), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
