@@ -1,19 +1,25 @@
-# The image every Flotilla pod runs: the engine (`flotilla engine serve`) and the operator
-# (`flotilla operator run`) share it, so the command the operator builds works in the image and in the
-# local cluster alike. Not built in this repository's CI (its machines have no Docker engine).
-FROM python:3.11-slim-bookworm
-
+# Flotilla's images, one target per component; both run as uid/gid 65532, the user the pods'
+# securityContext sets (runAsUser 65532, runAsNonRoot, read-only root filesystem).
+#   docker build --target engine   -t flotilla-engine .    # `flotilla engine serve`, `flotilla model fetch`
+#   docker build --target operator -t flotilla-operator .  # `flotilla operator run`: no torch, no CUDA
+# Not built in this repository's CI (its machines have no Docker engine).
+FROM python:3.11-slim-bookworm AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/flotilla
-
 COPY pyproject.toml README.md ./
-COPY flotilla ./flotilla
-COPY engine ./engine
-COPY operator ./operator
-COPY crds ./crds
-RUN pip install --no-cache-dir . && useradd --uid 10001 --create-home flotilla
+COPY src ./src
+RUN groupadd --gid 65532 flotilla && useradd --uid 65532 --gid 65532 --no-create-home flotilla
 
-# Non-root, matching the pods' securityContext (runAsNonRoot, read-only root filesystem).
-USER 10001
+FROM base AS engine
+COPY engine ./engine
+RUN pip install --no-cache-dir . ./engine
+USER 65532:65532
 ENTRYPOINT ["flotilla"]
-CMD ["--help"]
+CMD ["engine", "serve", "--help"]
+
+FROM base AS operator
+COPY operator ./operator
+RUN pip install --no-cache-dir . ./operator
+USER 65532:65532
+ENTRYPOINT ["flotilla"]
+CMD ["operator", "run"]

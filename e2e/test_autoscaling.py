@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
-from flotilla.operator.local import (
+from flotilla.operator.cmd.local import (
     OperatorProcess,
     inference_service,
     install_manifests,

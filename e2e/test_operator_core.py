@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
-from flotilla.operator.local import (
+from flotilla.operator.cmd.local import (
     OPERATOR_NS,
     OPERATOR_SA,
     OperatorProcess,

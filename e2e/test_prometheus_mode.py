@@ -25,7 +25,7 @@ import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.prometheus import BINARY, PrometheusProcess
-from flotilla.operator.local import (
+from flotilla.operator.cmd.local import (
     OperatorProcess,
     complete,
     inference_service,

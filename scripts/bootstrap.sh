@@ -30,6 +30,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
-echo "bootstrap: installing flotilla and its pinned dependencies into .venv (torch is large; first run takes a few minutes)"
-.venv/bin/python -m pip install --progress-bar on -e '.[dev]'
+echo "bootstrap: installing flotilla, flotilla-engine and flotilla-operator (editable) with their pinned dependencies into .venv (torch is large; first run takes a few minutes)"
+.venv/bin/python -m pip install --progress-bar on -e '.[dev]' -e ./engine -e ./operator
 touch .venv/.installed

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flotilla.engine import attention
+from flotilla.engine.kernels import attention
 
 
 def random_paged(seq_lens, num_kv_heads, head_dim, block_size, seed=0):

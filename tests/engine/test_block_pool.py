@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from flotilla.engine.block_pool import BlockPool
-from flotilla.engine.kv_cache_manager import KVCacheManager
-from flotilla.engine.request import Request
-from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.core.block_pool import BlockPool
+from flotilla.engine.core.kv_cache_manager import KVCacheManager
+from flotilla.engine.core.request import Request
+from flotilla.engine.core.sampling_params import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:
@@ -21,8 +21,8 @@ def test_scheduler_and_block_manager_import_no_torch():
     # Other tests import torch into this process, so check in a fresh one.
 
     code = (
-        "import sys; import flotilla.engine.scheduler, flotilla.engine.kv_cache_manager, "
-        "flotilla.engine.block_pool; assert 'torch' not in sys.modules, 'torch was imported'"
+        "import sys; import flotilla.engine.core.scheduler, flotilla.engine.core.kv_cache_manager, "
+        "flotilla.engine.core.block_pool; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flotilla.engine.config import EngineConfig
+from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.llm_engine import LLMEngine
-from flotilla.engine.sampling_params import SamplingParams
 
 ATOL = 1e-4
 MAX_TOKENS = 10

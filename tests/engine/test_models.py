@@ -7,15 +7,15 @@ import shutil
 
 import pytest
 
-from flotilla.engine.config import ModelConfig, ModelLoadError
-from flotilla.engine.presets import PRESETS, build_tokenizer, random_weights
-from flotilla.engine.tokenizer import ModelTokenizer
+from flotilla.engine.model.config import ModelConfig, ModelLoadError
+from flotilla.engine.model.presets import PRESETS, build_tokenizer, random_weights
+from flotilla.engine.text.tokenizer import ModelTokenizer
 
 
 def test_preset_folder_says_it_is_random_and_loads(tiny_preset):
     from flotilla.engine.config import EngineConfig
+    from flotilla.engine.core.sampling_params import SamplingParams
     from flotilla.engine.llm_engine import LLMEngine
-    from flotilla.engine.sampling_params import SamplingParams
 
     config = json.loads((tiny_preset / "config.json").read_text())
     assert "RANDOM WEIGHTS" in config["_flotilla_note"]
@@ -93,7 +93,7 @@ def test_missing_files_and_tensors_are_named(hf_models, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from flotilla.engine.loader import load_model
+    from flotilla.engine.model.loader import load_model
 
     folder, _ = hf_models("llama-gqa")
     broken = tmp_path / "m"
@@ -120,7 +120,7 @@ def test_sharded_checkpoints_load(hf_models, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from flotilla.engine.loader import load_model
+    from flotilla.engine.model.loader import load_model
 
     folder, model = hf_models("llama-gqa")
     tensors = load_file(folder / "model.safetensors")

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from flotilla.engine.detokenizer import IncrementalDetokenizer
-from flotilla.engine.sampling_params import SamplingParams
-from flotilla.engine.tokenizer import ModelTokenizer
+from flotilla.engine.core.sampling_params import SamplingParams
+from flotilla.engine.text.detokenizer import IncrementalDetokenizer
+from flotilla.engine.text.tokenizer import ModelTokenizer
 
 TEXT = "naïve café — 日本語 😀 ok"
 

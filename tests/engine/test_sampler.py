@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from flotilla.engine.request import Request
-from flotilla.engine.sampler import Sampler, _apply_penalties
-from flotilla.engine.sampling_params import SamplingParams
+from flotilla.engine.core.request import Request
+from flotilla.engine.core.sampling_params import SamplingParams
+from flotilla.engine.worker.sampler import Sampler, _apply_penalties
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
 

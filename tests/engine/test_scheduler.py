@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from flotilla.engine.kv_cache_manager import KVCacheManager
-from flotilla.engine.request import FinishReason, Request, RequestStatus
-from flotilla.engine.sampling_params import SamplingParams
-from flotilla.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.engine.core.kv_cache_manager import KVCacheManager
+from flotilla.engine.core.request import FinishReason, Request, RequestStatus
+from flotilla.engine.core.sampling_params import SamplingParams
+from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, caching=True):

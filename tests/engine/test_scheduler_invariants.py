@@ -8,10 +8,10 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flotilla.engine.kv_cache_manager import KVCacheManager
-from flotilla.engine.request import FinishReason, Request, RequestStatus
-from flotilla.engine.sampling_params import SamplingParams
-from flotilla.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.engine.core.kv_cache_manager import KVCacheManager
+from flotilla.engine.core.request import FinishReason, Request, RequestStatus
+from flotilla.engine.core.sampling_params import SamplingParams
+from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
 
 ops = st.lists(
     st.one_of(

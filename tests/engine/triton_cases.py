@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-from flotilla.engine import attention
+from flotilla.engine.kernels import attention
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
 
-from flotilla.engine import triton_attention as triton_kernels  # noqa: E402
+from flotilla.engine.kernels import triton_attention as triton_kernels  # noqa: E402
 
 
 def _load_sibling(name: str):
@@ -62,8 +62,8 @@ def test_triton_kv_store_matches_reference(num_kv_heads, head_dim, block_size):
 
 def test_engine_with_the_triton_backend_matches_the_torch_backend(hf_models):
     from flotilla.engine.config import EngineConfig
+    from flotilla.engine.core.sampling_params import SamplingParams
     from flotilla.engine.llm_engine import LLMEngine
-    from flotilla.engine.sampling_params import SamplingParams
 
     folder, _ = hf_models("qwen2-bias-tied")
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from flotilla.operator.api import InferenceServiceSpec
+from flotilla.operator.api.v1alpha1 import InferenceServiceSpec
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.desired import Decision, Owner
+from flotilla.operator.desired.workload import Decision, Owner
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from flotilla.operator.admission import Held, Ledger, charge, review
-from flotilla.operator.api import InferenceServiceSpec, TenantSpec
+from flotilla.operator.api.v1alpha1 import InferenceServiceSpec, TenantSpec
+from flotilla.operator.tenancy.admission import Held, Ledger, charge, review
 
 TENANT = TenantSpec(namespaces=["a"], gpu_quota={"h100": 4}, max_services=3)
 

@@ -3,7 +3,7 @@ quota, and HPA's conservative handling of missing metrics and pods that are not 
 
 from __future__ import annotations
 
-from flotilla.operator.autoscale_rule import (
+from flotilla.operator.autoscaling.rule import (
     QUEUE,
     TTFT,
     Inputs,

@@ -7,13 +7,13 @@ import math
 import pytest
 from prometheus_client import generate_latest
 
-from flotilla.engine.metrics import EngineMetrics
-from flotilla.engine.outputs import EngineStats
-from flotilla.operator.api import Autoscaling
-from flotilla.operator.autoscaler import ServiceAutoscaler, autoscaling_status, scraped_pods
-from flotilla.operator.engine_metrics_scrape import PodScraper, ScrapeError, parse_engine_metrics
-from flotilla.operator.quota import QuotaDecision
-from flotilla.operator.status import PodView
+from flotilla.engine.core.outputs import EngineStats
+from flotilla.engine.server.metrics import EngineMetrics
+from flotilla.operator.api.v1alpha1 import Autoscaling
+from flotilla.operator.autoscaling.autoscaler import ServiceAutoscaler, autoscaling_status, scraped_pods
+from flotilla.operator.clients.engine_metrics import PodScraper, ScrapeError, parse_engine_metrics
+from flotilla.operator.desired.status import PodView
+from flotilla.operator.tenancy.quota import QuotaDecision
 
 
 class FakeEngine:

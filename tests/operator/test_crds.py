@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from flotilla.operator.api import INFERENCE_SERVICE, TENANT, InferenceServiceSpec, TenantSpec
-from flotilla.operator.crdgen import crd, crd_files
+from flotilla.operator.api.v1alpha1 import INFERENCE_SERVICE, TENANT, InferenceServiceSpec, TenantSpec
+from flotilla.operator.manifests.crds import crd, crd_files
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 

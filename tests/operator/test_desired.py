@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.desired import (
+from flotilla.operator.desired.workload import (
     Decision,
     children,
     deployment,
@@ -202,7 +202,7 @@ def test_quantity_bytes(text, expected):
 
 
 def test_bad_quantity_is_invalid(make_spec):
-    from flotilla.operator.validation import validate
+    from flotilla.operator.desired.validation import validate
 
     (p,) = validate(make_spec(engine={"kvCacheMemory": "lots"}), gpu_types={"h100"}, path_exists=None)
     assert p.field == "spec.engine.kvCacheMemory"

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from flotilla.operator.drift import contains, drifted
+from flotilla.operator.desired.drift import contains, drifted
 
 
 def test_server_defaults_are_not_drift():

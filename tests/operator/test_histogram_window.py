@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from flotilla.operator.histogram_window import WindowedHistogram, add, increase, quantile
+from flotilla.operator.autoscaling.histogram_window import WindowedHistogram, add, increase, quantile
 
 INF = math.inf
 

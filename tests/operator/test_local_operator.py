@@ -3,7 +3,7 @@
 import pytest
 
 from flotilla.cluster.processes import ProcessTable
-from flotilla.operator.local import OperatorProcess
+from flotilla.operator.cmd.local import OperatorProcess
 
 
 def test_an_operator_that_never_becomes_healthy_is_stopped_and_forgotten(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from flotilla.operator.api import MeteringLedger, TokenCount
-from flotilla.operator.metering import cost, count_tokens, meter, span_of, split_by_day, usage_views
+from flotilla.operator.api.v1alpha1 import MeteringLedger, TokenCount
+from flotilla.operator.tenancy.metering import cost, count_tokens, meter, span_of, split_by_day, usage_views
 
 
 def ts(text: str) -> float:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from flotilla.operator.model_source import ModelUri, ModelUriError, parse_model_uri
+from flotilla.operator.desired.model_source import ModelUri, ModelUriError, parse_model_uri
 
 
 @pytest.mark.parametrize(

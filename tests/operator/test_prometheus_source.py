@@ -17,13 +17,13 @@ from prometheus_client import generate_latest
 from flotilla.cluster.handle import free_port
 from flotilla.cluster.prometheus import BINARY as prometheus_binary
 from flotilla.cluster.prometheus import PrometheusProcess
-from flotilla.engine.metrics import EngineMetrics
-from flotilla.engine.outputs import EngineStats
-from flotilla.operator import prometheus_source
-from flotilla.operator.api import Autoscaling
-from flotilla.operator.autoscaler import ServiceAutoscaler
-from flotilla.operator.engine_metrics_scrape import PodScraper, parse_engine_metrics
-from flotilla.operator.status import PodView
+from flotilla.engine.core.outputs import EngineStats
+from flotilla.engine.server.metrics import EngineMetrics
+from flotilla.operator.api.v1alpha1 import Autoscaling
+from flotilla.operator.autoscaling.autoscaler import ServiceAutoscaler
+from flotilla.operator.clients import prometheus as prometheus_source
+from flotilla.operator.clients.engine_metrics import PodScraper, parse_engine_metrics
+from flotilla.operator.desired.status import PodView
 
 pytestmark = pytest.mark.skipif(
     prometheus_binary is None, reason="needs the prometheus binary (apt install prometheus)"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flotilla.operator.api import TenantSpec
-from flotilla.operator.quota import Grant, decide, used_gpus
+from flotilla.operator.api.v1alpha1 import TenantSpec
+from flotilla.operator.tenancy.quota import Grant, decide, used_gpus
 
 TENANT = TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 8})
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flotilla.operator.rbac import RULES, render
+from flotilla.operator.manifests.rbac import RULES, render
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "operator-rbac.yaml"
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from flotilla.operator.api import TenantSpec
+from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.quota import Grant
-from flotilla.operator.reconcile import World, plan, status_changed
+from flotilla.operator.desired.reconcile import World, plan, status_changed
+from flotilla.operator.tenancy.quota import Grant
 
 NOW = "2026-01-01T00:00:00Z"
 

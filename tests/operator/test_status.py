@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from flotilla.operator.quota import QuotaDecision
-from flotilla.operator.status import Observed, compute_status, deployment_view, pod_view
-from flotilla.operator.validation import Problem
+from flotilla.operator.desired.status import Observed, compute_status, deployment_view, pod_view
+from flotilla.operator.desired.validation import Problem
+from flotilla.operator.tenancy.quota import QuotaDecision
 
 NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T00:05:00Z"
@@ -185,7 +185,7 @@ def test_terminating_pods_do_not_count():
 
 
 def test_apply_failures_show_as_degraded():
-    from flotilla.operator.status import with_apply_failures
+    from flotilla.operator.desired.status import with_apply_failures
 
     status = compute_status(_observed(), [], NOW)
     failed = with_apply_failures(

@@ -9,11 +9,11 @@ import pytest
 from cryptography import x509
 from pydantic import ValidationError
 
-from flotilla.operator import webhook_tls
-from flotilla.operator.api import MeteringLedger, TenantSpec, TenantStatus, TokenCount
-from flotilla.operator.tenancy import namespaces_of, tenant_of, tenant_problems
-from flotilla.operator.tenant_rbac import MEMBER_ROLE, desired_objects
-from flotilla.operator.usage import WindowError, check_window, render, report
+from flotilla.operator.api.v1alpha1 import MeteringLedger, TenantSpec, TenantStatus, TokenCount
+from flotilla.operator.controllers import webhook_tls
+from flotilla.operator.tenancy.rbac import MEMBER_ROLE, desired_objects
+from flotilla.operator.tenancy.rules import namespaces_of, tenant_of, tenant_problems
+from flotilla.operator.tenancy.usage import WindowError, check_window, render, report
 
 NOW = dt.datetime(2026, 1, 10, tzinfo=dt.UTC)
 

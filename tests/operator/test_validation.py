@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flotilla.operator.validation import parse_spec, validate
+from flotilla.operator.desired.validation import parse_spec, validate
 
 GPU_TYPES = {"h100", "l4"}
 

@@ -30,7 +30,7 @@ MODEL_NAME = "tiny"
 def write_tiny_model(folder: Path) -> Path:
     from safetensors.torch import save_file
 
-    from flotilla.engine.presets import PRESETS, build_tokenizer, random_weights
+    from flotilla.engine.model.presets import PRESETS, build_tokenizer, random_weights
 
     preset = PRESETS["tiny-llama"]
     folder.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ class ServerHandle:
 
         from flotilla.engine.config import EngineConfig
         from flotilla.engine.llm_engine import LLMEngine
-        from flotilla.engine.server import DrainingServer, ServerSettings, create_app
+        from flotilla.engine.server.app import DrainingServer, ServerSettings, create_app
 
         kwargs = {"kv_cache_memory": 2 << 20, "show_progress": False} | engine_kwargs
         config = EngineConfig(model=str(model), **kwargs)

@@ -19,7 +19,7 @@ def ttft_buckets(url: str) -> list[tuple[float, float]]:
 
 
 def test_ttft_median_agrees_with_the_server_histogram(server):
-    from flotilla.engine.bench_serve import run_benchmark
+    from flotilla.engine.bench.serve import run_benchmark
 
     before = ttft_buckets(server.url)
     summary, results = asyncio.run(

@@ -1,1 +1,0 @@
-"""Flotilla's inference engine: paged attention, continuous batching, prefix caching."""

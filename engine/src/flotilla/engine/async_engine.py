@@ -1,0 +1,149 @@
+"""AsyncEngine: drives an LLMEngine from one worker thread so an asyncio server stays responsive.
+
+The thread is dedicated and long-lived, never a pool's: torch's CPU kernels keep an OpenMP thread team
+per calling thread, so steps hopping across pool threads would start teams that spin against each other.
+
+Callers on the event loop create requests (tokenized and validated at once, so bad input raises in
+the caller), and iterate their outputs with `async for`. Adds and aborts are queued and applied by the
+worker between steps; leaving the `async for` early (client gone, task cancelled) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from flotilla.engine.core.outputs import EngineStats, RequestOutput
+from flotilla.engine.core.request import Request
+from flotilla.engine.core.sampling_params import SamplingParams
+from flotilla.engine.llm_engine import LLMEngine
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._to_add: list[Request] = []
+        self._to_abort: list[str] = []
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flotilla-engine")
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def start(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="flotilla-engine")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._thread.shutdown(wait=True)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop died; None while it is alive. (The server's /health reads it.)"""
+        return self._error
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs (new tokens and text each step) until it finishes.
+        arrival_time: when the request reached the server (TTFT counts from it); default now."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error!r}")
+        self.start()
+        request = self.engine.create_request(prompt, params, request_id, priority, arrival_time)
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        with self._lock:
+            self._to_add.append(request)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped: {item!r}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._to_abort.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _work(self) -> list[RequestOutput]:
+        """Runs in the worker thread: apply queued adds/aborts, then one step."""
+        with self._lock:
+            adds, self._to_add = self._to_add, []
+            aborts, self._to_abort = self._to_abort, []
+        aborted = set(aborts)
+        for request in adds:
+            if request.request_id not in aborted:  # its client left before it was queued
+                self.engine.add_created_request(request)
+        for rid in aborts:
+            self.engine.abort(rid)
+        if not self.engine.has_unfinished_requests():
+            return []
+        return self.engine.step()
+
+    def _has_work(self) -> bool:
+        with self._lock:
+            queued = bool(self._to_add or self._to_abort)
+        return queued or self.engine.has_unfinished_requests()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                if not self._has_work():
+                    self._wakeup.clear()
+                    if not self._has_work():
+                        await self._wakeup.wait()
+                outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._work)
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the engine is broken: fail every stream
+            self._error = exc
+            for queue in self._queues.values():
+                queue.put_nowait(exc)
+            raise

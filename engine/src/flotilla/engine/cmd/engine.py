@@ -1,0 +1,89 @@
+"""`flotilla engine ...`. Import-light: torch and the engine load inside the command functions."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_commands(subparsers) -> None:
+    from flotilla.engine.bench.serve import add_bench_serve_args
+    from flotilla.engine.cmd.serve import add_serve_args
+    from flotilla.engine.engine_args import thread_count
+
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve one model: /v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics, /tokenize, /detokenize. SIGTERM drains: in-flight requests finish, new ones are refused.",
+    )
+    add_serve_args(serve)
+    serve.set_defaults(func=_serve)
+
+    bench = subparsers.add_parser("bench", help="benchmark the engine")
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    bench_serve = kinds.add_parser(
+        "serve",
+        help="load-test a running server: streamed requests, Poisson arrivals, latency percentiles",
+        description="Stream requests to a running server and report TTFT, TPOT, ITL and end-to-end "
+        "latency (mean, median, p90, p99), throughput and failed requests.",
+    )
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
+    offline = kinds.add_parser(
+        "offline",
+        help="offline throughput against transformers, KV utilization, prefix-cache TTFT, scheduler cost",
+        description="Offline benchmark on one model folder. Prints the figures; --json also writes them.",
+    )
+    offline.add_argument("--model", required=True, help="model folder (e.g. from `flotilla model init`)")
+    offline.add_argument("--num-prompts", type=int, default=64)
+    offline.add_argument("--input-len", default="32:256", help="prompt lengths, uniform in A:B tokens")
+    offline.add_argument("--output-len", default="32:256", help="output lengths, uniform in A:B tokens")
+    offline.add_argument("--compare", choices=["hf", "none"], default="none", help="also run transformers")
+    offline.add_argument(
+        "--hf-sequential-prompts",
+        type=int,
+        default=16,
+        help="prompts for the one-at-a-time run (a rate; a subset keeps it short)",
+    )
+    offline.add_argument("--json", help="write the figures to this file")
+    offline.add_argument(
+        "--max-num-seqs", type=int, default=64, help="engine batch size, also transformers' static batch size"
+    )
+    offline.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    offline.add_argument("--block-size", type=int, default=16)
+    offline.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    offline.add_argument(
+        "--budget-sequences",
+        type=int,
+        default=16,
+        help="KV budget for the fit figure, in max-length sequences",
+    )
+    offline.add_argument(
+        "--prefix-requests", type=int, default=64, help="requests in the prefix scenario (0 skips it)"
+    )
+    offline.add_argument("--prefix-len", type=int, default=512)
+    offline.add_argument("--device", default="auto")
+    offline.add_argument("--dtype", default="auto")
+    offline.add_argument("--seed", type=int, default=0)
+    offline.add_argument(
+        "--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)"
+    )
+    offline.set_defaults(func=_bench_offline)
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from flotilla.engine.bench.offline import run_offline
+
+    return run_offline(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from flotilla.engine.cmd.serve import run_serve
+
+    return run_serve(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from flotilla.engine.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)

@@ -1,0 +1,62 @@
+"""`flotilla model ...`: create and inspect model folders. Import-light: torch loads inside commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_commands(subparsers) -> None:
+    init = subparsers.add_parser(
+        "init",
+        help="write a random-weight model folder (for demos and tests)",
+        description="Write a deterministic random-weight model folder with a freshly trained BPE tokenizer. "
+        "The weights are random: the model produces meaningless text.",
+    )
+    init.add_argument("--preset", required=True, choices=["tiny-llama", "tiny-qwen2"])
+    init.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    init.add_argument("dir", type=Path, help="folder to write (created if missing)")
+    init.set_defaults(func=_init)
+
+    info = subparsers.add_parser("info", help="check that a model folder loads and describe it")
+    info.add_argument("dir", type=Path)
+    info.set_defaults(func=_info)
+
+
+def _init(args: argparse.Namespace) -> int:
+    from flotilla.engine.model.presets import init_model
+
+    if args.dir.exists() and any(args.dir.iterdir()):
+        print(f"flotilla model init: {args.dir} exists and is not empty", file=sys.stderr)
+        return 2
+    folder = init_model(args.preset, args.dir, seed=args.seed)
+    print(f"wrote {args.preset} (random weights) to {folder}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from flotilla.engine.model.config import ModelConfig, ModelLoadError
+    from flotilla.engine.text.tokenizer import ModelTokenizer
+
+    try:
+        config = ModelConfig.from_file(args.dir / "config.json")
+        tokenizer = ModelTokenizer(args.dir)
+    except ModelLoadError as exc:
+        print(f"flotilla model info: {exc}", file=sys.stderr)
+        return 2
+    summary = {
+        "architecture": config.architecture,
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "context": config.max_position_embeddings,
+        "tokenizer_vocab": tokenizer.vocab_size,
+        "chat_template": tokenizer.chat_template is not None,
+    }
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,113 @@
+"""`flotilla engine serve`: flags, start-up checks and the uvicorn server with graceful drain."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+from flotilla.engine.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the model name clients use (default: the folder's name)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("FLOTILLA_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API (default: $FLOTILLA_API_KEY; unset: no key)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests that may wait for a batch slot; more get 429 (0 or less: unbounded; default 256)",
+    )
+    parser.add_argument("--max-body-size", type=parse_bytes, default="8MiB", help="largest request body")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds to let in-flight requests finish (keep it under the pod's grace period)",
+    )
+    parser.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, keep serving new requests this long while /health is 503, so endpoints stop "
+        "routing here before the listener closes (default 5; 0: close at once)",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(parser)
+
+
+def serving_threads() -> int:
+    """A server's default torch CPU threads: all cores but one, which the HTTP loop needs to stream tokens
+    (measured on 2 cores, tiny-llama, 16 streams: 209 output tok/s with 1 thread, 167 with 2)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flotilla.engine.model.config import ModelConfig, ModelLoadError
+    from flotilla.engine.server.app import DrainingServer, ServerSettings, create_app
+    from flotilla.engine.text.tokenizer import ModelTokenizer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    folder = Path(args.model)
+    try:  # fail fast, before listening, on flags or a folder that cannot work
+        for flag, value in (
+            ("--shutdown-delay", args.shutdown_delay),
+            ("--drain-timeout", args.drain_timeout),
+        ):
+            if value < 0:
+                raise ValueError(f"{flag} must be 0 seconds or more, got {value}")
+        config = engine_config_from_args(args)
+        if config.cpu_threads == 0:
+            config = dataclasses.replace(config, cpu_threads=serving_threads())
+        ModelConfig.from_file(folder / "config.json")
+        ModelTokenizer(folder)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"flotilla engine serve: {exc}", file=sys.stderr)
+        return 2
+
+    def build_engine():
+        from flotilla.engine.llm_engine import LLMEngine
+
+        return LLMEngine(config)
+
+    settings = ServerSettings(
+        model_name=args.served_model_name or folder.resolve().name,
+        api_key=args.api_key or None,
+        max_queue=args.max_queue if args.max_queue > 0 else None,
+        max_body_bytes=args.max_body_size,
+    )
+    failed: list[BaseException] = []
+    server: DrainingServer | None = None
+
+    def on_load_failure(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, build_engine, on_load_failure)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.drain_timeout,
+        timeout_keep_alive=5,
+    )
+    server = DrainingServer(uv_config, app.state.flotilla, args.shutdown_delay)
+    server.run()
+    return 1 if failed else 0

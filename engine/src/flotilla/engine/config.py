@@ -1,0 +1,44 @@
+"""The knobs of one engine process, and how many KV blocks a memory budget holds. No torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto: the config's dtype on CUDA (bf16 if none), float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_memory: int | None = None  # bytes; default: 1 GiB on CPU, a fraction of free memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0
+    cpu_threads: int = 0  # torch CPU threads for model steps; 0: torch's default (one per core)
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be 0 (torch's default) or more, got {self.cpu_threads}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(
+                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
+            )
+
+
+def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    return max(0, math.floor(budget_bytes / (bytes_per_token * block_size)))

@@ -1,0 +1,198 @@
+"""Iteration-level scheduler: each step picks which requests run and how many tokens each computes.
+
+There are no prefill and decode phases. Every running request's computed tokens catch up with its known
+tokens (prompt + outputs) under a per-step token budget, so a long prompt is prefilled in chunks while
+other requests keep decoding in the same step. Running requests are served first, in priority order;
+when the KV pool runs dry the lowest-priority, newest running request is preempted (its blocks freed,
+recomputed later). Waiting requests are admitted, in priority then arrival order, only in steps that
+preempted nothing. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from flotilla.engine.core.kv_cache_manager import KVCacheManager
+from flotilla.engine.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # Tokens with KV already in the cache before this step (the chunk starts here).
+    num_computed_tokens: int
+    # True when this chunk reaches the end of the known tokens, so its last logits pick a token.
+    samples: bool = False
+
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int, num_computed_tokens: int) -> ScheduledRequest:
+        samples = num_computed_tokens + num_new_tokens == request.num_tokens
+        return cls(request, num_new_tokens, num_computed_tokens, samples)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}
+        # Both queues are kept sorted by (priority, arrival).
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue bookkeeping -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: the prompt has {request.num_tokens} tokens; the model's "
+                f"context is {self.config.max_model_len} tokens, including at least one generated token"
+            )
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish or abort a request; its blocks go back to the pool at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return request
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # It keeps its original arrival, so it goes back ahead of everyone who came after it.
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    # -- one step ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]  # lowest priority, newest among equals
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest.of(request, num_new, request.num_computed_tokens))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: everything after it is gone too
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break  # head-of-line waits, which keeps FCFS within a priority
+            self.waiting.pop(0)
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=Request.sort_key)
+            out.scheduled.append(ScheduledRequest.of(request, num_new, num_hit_tokens))
+            budget -= num_new
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, int | None]]:
+        """Advance computed tokens and append sampled tokens. Returns, for each request that sampled,
+        (request, token); finished requests have already released their blocks."""
+        results: list[tuple[Request, int | None]] = []
+        for item in out.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            if not item.samples:
+                continue
+            token = sampled[request.request_id]
+            request.append_output_token(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish_request(request.request_id, reason)
+            results.append((request, token))
+        return results
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None

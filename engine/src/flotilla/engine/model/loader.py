@@ -1,0 +1,154 @@
+"""Loads a Hugging Face model folder (config.json + safetensors) into our LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from flotilla.engine.model.config import ModelConfig, ModelLoadError
+from flotilla.engine.model.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# checkpoint projection -> (our fused parameter, index of its shard)
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32  # CPUs are slow at half precision matmuls
+        # On a GPU: the checkpoint's half-precision dtype, else bfloat16.
+        return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: field 'weight_map': missing or not an object ({exc})") from exc
+        files = sorted({folder / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index}: field 'weight_map' names {f.name}, which does not exist")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights (and no model.safetensors.index.json)")
+    return files
+
+
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    show_progress: bool = True,
+) -> LlamaForCausalLM:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: model folder not found")
+    config = ModelConfig.from_file(folder / "config.json")
+    files = weight_files(folder)
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary.build(device)
+    params = dict(model.named_parameters())
+    expected = set(params)
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    loaded: set[str] = set()
+    shards_seen: dict[str, set[int]] = {}
+
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            total += len(list(handle.keys()))
+    progress = tqdm(total=total, desc=f"loading {folder.name}", unit="tensor", disable=not show_progress)
+    with torch.no_grad():
+        for f in files:
+            with safe_open(f, framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    progress.update(1)
+                    if name.endswith(IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue
+                    tensor = handle.get_tensor(name)
+                    _load_one(f, name, tensor, params, config, loaded, shards_seen)
+    progress.close()
+
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(
+            f"{folder}: weights missing from the safetensors files: {', '.join(missing[:8])}"
+        )
+    model.eval()
+    return model
+
+
+def _load_one(file, name, tensor, params, config, loaded, shards_seen) -> None:
+    parts = name.split(".")
+    target = name
+    shard = None
+    if len(parts) >= 3 and parts[-2] in FUSED:
+        fused, shard = FUSED[parts[-2]]
+        target = ".".join(parts[:-2] + [fused, parts[-1]])
+    param = params.get(target)
+    if param is None:
+        raise ModelLoadError(f"{file}: tensor {name!r} does not belong to a {config.architecture}")
+    if shard is None:
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
+        loaded.add(target)
+        return
+    sizes = _shard_sizes(target, config)
+    offset = sum(sizes[:shard])
+    piece = param.narrow(0, offset, sizes[shard])
+    if tuple(piece.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(piece.shape)}"
+        )
+    piece.copy_(tensor)
+    seen = shards_seen.setdefault(target, set())
+    seen.add(shard)
+    if len(seen) == len(sizes):
+        loaded.add(target)
+
+
+def _shard_sizes(target: str, config: ModelConfig) -> list[int]:
+    if ".qkv_proj." in target:
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        return [q, kv, kv]
+    return [config.intermediate_size, config.intermediate_size]

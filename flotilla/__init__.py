@@ -1,3 +1,0 @@
-"""Flotilla: LLM inference fleets on Kubernetes."""
-
-__version__ = "0.1.0"

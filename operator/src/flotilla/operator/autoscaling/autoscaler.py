@@ -1,0 +1,133 @@
+"""One service's autoscaler between decisions, and the glue from observations to the rule and back.
+
+No I/O here: autoscale_handlers.py gets the Signals from a metrics source (pod scrapes or Prometheus),
+calls `step`, and writes what it returns (the scale, status.autoscaling, an Event, gauges). The state
+kept between decisions (the recommendation history, and the scraper's TTFT window) lives in memory, so
+an operator restart starts it afresh: the scale-down window then begins again, which errs on the side
+of keeping replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flotilla.operator.api.v1alpha1 import Autoscaling, AutoscalingMetrics, AutoscalingStatus, Condition
+from flotilla.operator.autoscaling.rule import Inputs, Outcome, PodSample, Policy, Recommendation, decide
+from flotilla.operator.autoscaling.signals import Signals
+from flotilla.operator.desired.status import PodView, merge_transition_times
+from flotilla.operator.tenancy.quota import QuotaDecision
+
+SCALING_ACTIVE, SCALING_LIMITED, QUOTA_LIMITED = "ScalingActive", "ScalingLimited", "QuotaLimited"
+
+
+def policy_for(spec: Autoscaling) -> Policy:
+    return Policy(
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        ttft_p95_target=spec.ttft_p95_target_seconds,
+        queue_depth_target=spec.queue_depth_target,
+        tolerance=spec.tolerance,
+        scale_up_window=spec.scale_up_window_seconds,
+        scale_down_window=spec.scale_down_window_seconds,
+    )
+
+
+def scraped_pods(pods: list[PodView]) -> dict[str, str]:
+    """Pods worth scraping: ready, with an address, not on their way out (name -> IP)."""
+    return {p.name: p.ip for p in pods if p.ready and p.ip and not p.deleting}
+
+
+@dataclass
+class Step:
+    outcome: Outcome
+    metrics: AutoscalingMetrics
+    errors: dict[str, str]  # pod -> why it did not report
+
+
+@dataclass
+class ServiceAutoscaler:
+    """The recommendation history between decisions (the metrics source keeps its own state)."""
+
+    history: tuple[Recommendation, ...] = ()
+
+    def step(
+        self,
+        *,
+        now: float,
+        spec: Autoscaling,
+        current: int,
+        pods: list[PodView],
+        signals: Signals,
+        quota: QuotaDecision | None,
+    ) -> Step:
+        """`quota` is the tenant's answer to "may this service run maxReplicas?" (None: no tenant)."""
+        live = [p for p in pods if not p.deleting]
+        samples = [PodSample(p.name, p.ready, signals.waiting.get(p.name)) for p in live]
+        ready = [s for s in samples if s.ready]
+        answered = [s.waiting for s in ready if s.waiting is not None]
+        inputs = Inputs(
+            now=now,
+            current=current,
+            pods=samples,
+            ttft_p95=signals.ttft_p95,
+            ttft_complete=not signals.errors and len(answered) == len(ready),
+            policy=policy_for(spec),
+            history=self.history,
+            quota_max=None if quota is None or quota.admitted else quota.replicas,
+            quota_message="" if quota is None else quota.message,
+        )
+        outcome = decide(inputs)
+        self.history = outcome.history
+        metrics = AutoscalingMetrics(
+            ttft_p95_seconds=signals.ttft_p95,
+            queue_depth_per_replica=sum(answered) / len(answered) if answered else None,
+            kv_cache_usage_ratio=signals.kv_usage,
+            ready_pods=len(ready),
+            pods_scraped=len(signals.waiting),
+            pods_unanswered=len(signals.errors),
+        )
+        return Step(outcome, metrics, dict(signals.errors))
+
+
+def _cond(type_: str, ok: bool, reason: str, message: str) -> Condition:
+    return Condition(type=type_, status="True" if ok else "False", reason=reason, message=message)
+
+
+def autoscaling_status(step: Step, *, previous: dict | None, now: str, generation: int, scaled: bool) -> dict:
+    """status.autoscaling as a wire dict; conditions keep their transition times while unchanged. Unset
+    figures stay as nulls: in a merge patch they delete the old value instead of leaving it stale."""
+    previous = previous or {}
+    outcome = step.outcome
+    active = _cond(
+        SCALING_ACTIVE,
+        outcome.active,
+        "ValidMetrics" if outcome.active else "NoMetrics",
+        "the replica count is computed from engine metrics" if outcome.active else outcome.message,
+    )
+    bounded = outcome.limited_by in ("MinReplicas", "MaxReplicas", "ScaleUpLimit")
+    limited = _cond(
+        SCALING_LIMITED,
+        bounded,
+        outcome.limited_by if bounded else "DesiredWithinRange",
+        outcome.message if bounded else "the desired count is within the bounds and step limits",
+    )
+    quota = _cond(
+        QUOTA_LIMITED,
+        outcome.quota_limited,
+        "QuotaLimited" if outcome.quota_limited else "WithinQuota",
+        outcome.message if outcome.quota_limited else "the tenant's quota does not limit scaling",
+    )
+    conditions = merge_transition_times(
+        [active, limited, quota], previous.get("conditions") or [], now, generation
+    )
+    status = AutoscalingStatus(
+        current_metrics=step.metrics,
+        recommendation=outcome.recommendation,
+        desired_replicas=outcome.desired,
+        last_scale_time=now if scaled else previous.get("lastScaleTime"),
+        last_decision_time=now,
+        reason=outcome.reason,
+        message=outcome.message,
+        conditions=conditions,
+    )
+    return status.model_dump(by_alias=True, mode="json")

@@ -1,0 +1,76 @@
+"""The alternative metrics source: a Prometheus server that already scrapes the engine pods.
+
+`flotilla operator run --prometheus-url URL` switches to it. The engine series must carry the target
+labels `namespace` and `pod` (what the usual kubernetes-pods scrape job's relabeling gives) next to the
+engine's own `service` label. Prometheus does the windowing: rate() over the TTFT window is reset-aware,
+and histogram_quantile() interpolates exactly as histogram_window.py does for the scrape source.
+The query text and the parse of answers are pure; `collect` is three HTTP GETs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from flotilla.operator.autoscaling.signals import Signals
+
+WAITING, TTFT_P95, KV = "waiting", "ttft_p95", "kv"
+
+
+def queries(namespace: str, service: str, window_seconds: int) -> dict[str, str]:
+    sel = f'namespace="{namespace}",service="{service}"'
+    return {
+        WAITING: f"sum by (pod) (flotilla_num_requests_waiting{{{sel}}})",
+        TTFT_P95: (
+            "histogram_quantile(0.95, sum by (le) "
+            f"(rate(flotilla_time_to_first_token_seconds_bucket{{{sel}}}[{window_seconds}s])))"
+        ),
+        KV: f"max(flotilla_kv_cache_usage_ratio{{{sel}}})",
+    }
+
+
+class PrometheusError(Exception):
+    pass
+
+
+def vector(payload: dict) -> list[tuple[dict, float]]:
+    """An instant-vector answer of /api/v1/query as (labels, value) pairs."""
+    if payload.get("status") != "success":
+        raise PrometheusError(f"{payload.get('errorType', 'error')}: {payload.get('error', payload)}")
+    data = payload.get("data") or {}
+    if data.get("resultType") != "vector":
+        raise PrometheusError(f"expected a vector, got {data.get('resultType')!r}")
+    return [(r.get("metric") or {}, float(r["value"][1])) for r in data.get("result") or []]
+
+
+def _single(pairs: list[tuple[dict, float]]) -> float | None:
+    """One aggregated value; NaN (histogram_quantile of no requests) and no series are both None."""
+    if not pairs or math.isnan(pairs[0][1]):
+        return None
+    return pairs[0][1]
+
+
+def signals_from(answers: dict[str, list[tuple[dict, float]]], ready_pods: set[str]) -> Signals:
+    waiting = {labels["pod"]: value for labels, value in answers[WAITING] if labels.get("pod") in ready_pods}
+    missing = {
+        pod: "no flotilla_num_requests_waiting series in Prometheus" for pod in ready_pods - set(waiting)
+    }
+    return Signals(
+        waiting=waiting, ttft_p95=_single(answers[TTFT_P95]), kv_usage=_single(answers[KV]), errors=missing
+    )
+
+
+async def collect(
+    client, base_url: str, namespace: str, service: str, window_seconds: int, ready_pods: set[str]
+) -> Signals:
+    """`client` is an httpx.AsyncClient. When Prometheus cannot answer, every pod counts as silent, so
+    the rule holds the replicas (it never scales down on an outage)."""
+    url = base_url.rstrip("/") + "/api/v1/query"
+    named = queries(namespace, service, window_seconds)
+    try:
+        responses = await asyncio.gather(*(client.get(url, params={"query": q}) for q in named.values()))
+        answers = {key: vector(r.json()) for key, r in zip(named, responses, strict=True)}
+    except Exception as exc:  # unreachable, bad JSON, a query error
+        why = f"Prometheus at {base_url}: {type(exc).__name__}: {exc}"
+        return Signals(waiting={}, ttft_p95=None, errors=dict.fromkeys(ready_pods, why))
+    return signals_from(answers, ready_pods)

@@ -1,0 +1,132 @@
+"""`flotilla operator ...`: generate manifests and run the operator.
+
+Import-light on purpose: kopf and the kubernetes client are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# Defaults are relative to the working directory: run these from the repository root.
+CRD_DIR = Path("crds")
+RBAC_FILE = Path("deploy") / "operator-rbac.yaml"
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    crds = subparsers.add_parser("crds", help="regenerate crds/*.yaml from the API types")
+    crds.add_argument("--out", type=Path, default=CRD_DIR, help="directory to write (default: ./crds)")
+    crds.add_argument("--check", action="store_true", help="fail if the files differ instead of writing")
+    crds.set_defaults(func=_crds)
+
+    rbac = subparsers.add_parser("rbac", help="regenerate deploy/operator-rbac.yaml (least-privilege RBAC)")
+    rbac.add_argument("--out", type=Path, default=RBAC_FILE)
+    rbac.add_argument("--namespace", default="flotilla-system")
+    rbac.add_argument("--check", action="store_true", help="fail if the file differs instead of writing")
+    rbac.set_defaults(func=_rbac)
+
+    bench = subparsers.add_parser(
+        "bench", help="scale benchmark: N InferenceServices on a simulated cluster; prints figures"
+    )
+    _add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    run = subparsers.add_parser("run", help="run the operator (kopf) against the current kubeconfig")
+    run.add_argument("--kubeconfig", type=Path, help="default: $KUBECONFIG or in-cluster")
+    run.add_argument("--namespace", action="append", help="watch only these namespaces (default: all)")
+    run.add_argument("--metrics-port", type=int, default=8080, help="/metrics and /healthz (0: off)")
+    run.add_argument("--metrics-host", default="127.0.0.1")
+    run.add_argument("--liveness-port", type=int, default=0, help="kopf's own liveness endpoint (0: off)")
+    run.add_argument("--default-image", help="engine image when a spec names none")
+    run.add_argument("--hf-cache-dir", help="resolve hf://org/name to DIR/org/name on the node")
+    run.add_argument(
+        "--prometheus-url", help="autoscaler reads engine metrics from this Prometheus (default: scrape pods)"
+    )
+    run.add_argument(
+        "--no-model-path-check",
+        action="store_true",
+        help="do not check file:// model paths on this machine (a real cluster's nodes have their own disks)",
+    )
+    peering = run.add_mutually_exclusive_group()
+    peering.add_argument("--peering", help="kopf peering object name (needs the kopf.dev peering CRDs)")
+    peering.add_argument("--standalone", action="store_true", help="no peering (the default when no CRD)")
+    run.add_argument(
+        "--priority", type=int, help="kopf peering priority (default: start time, newest active)"
+    )
+    run.add_argument("--verbose", action="store_true")
+    _add_tenancy_arguments(run)
+    run.set_defaults(func=_run)
+
+
+def _add_tenancy_arguments(parser: argparse.ArgumentParser) -> None:
+    from flotilla.operator.tenancy.settings import add_arguments  # import-light: argparse, dataclasses
+
+    add_arguments(parser)
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from flotilla.operator.cmd.bench import add_arguments  # import-light: argparse, yaml
+
+    add_arguments(parser)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from flotilla.operator.cmd.bench import run
+
+    return run(args)
+
+
+def _crds(args: argparse.Namespace) -> int:
+    from flotilla.operator.manifests.crds import crd_files, write_crds
+
+    if args.check:
+        return _check({args.out / name: text for name, text in crd_files().items()})
+    for path in write_crds(args.out):
+        print(path)
+    return 0
+
+
+def _rbac(args: argparse.Namespace) -> int:
+    from flotilla.operator.manifests.rbac import render
+
+    text = render(args.namespace)
+    if args.check:
+        return _check({args.out: text})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(args.out)
+    return 0
+
+
+def _check(expected: dict[Path, str]) -> int:
+    stale = [str(p) for p, text in expected.items() if not p.exists() or p.read_text() != text]
+    for path in stale:
+        print(f"out of date: {path} (run `flotilla operator crds` / `flotilla operator rbac`)")
+    return 1 if stale else 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flotilla.operator.config import OperatorConfig
+    from flotilla.operator.controllers.runner import run_operator
+    from flotilla.operator.tenancy.settings import from_arguments
+
+    defaults = OperatorConfig()
+    config = OperatorConfig(
+        default_image=args.default_image or defaults.default_image,
+        hf_cache_dir=args.hf_cache_dir,
+        prometheus_url=args.prometheus_url,
+        check_local_model_paths=not args.no_model_path_check,
+    )
+    return run_operator(
+        config,
+        kubeconfig=args.kubeconfig,
+        namespaces=args.namespace,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        liveness_port=args.liveness_port,
+        peering=args.peering,
+        standalone=args.standalone,
+        priority=args.priority,
+        verbose=args.verbose,
+        tenancy=from_arguments(args),
+    )

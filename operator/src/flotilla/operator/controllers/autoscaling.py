@@ -1,0 +1,194 @@
+"""The autoscaler's kopf layer: one async daemon per InferenceService that has spec.autoscaling.
+
+Each period it reads the service's signals (scraping its ready pods, or asking Prometheus when
+--prometheus-url is set), asks the tenant's quota how far the service may grow,
+runs the pure rule (autoscale_rule.decide via autoscaler.ServiceAutoscaler), and carries out the result:
+a PATCH of the InferenceService's scale subresource (the reconciler then resizes the Deployment, so quota
+and status stay in one place), status.autoscaling, an Event for every scale, and the gauges.
+
+kopf puts its finalizer on every object a daemon runs for (so it can stop the daemon first): deleting an
+autoscaled service waits for a running operator. kopf also stops daemons while peering pauses this
+operator, so a standby replica never scales.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import UTC, datetime
+
+import kopf
+
+from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, VERSION, Autoscaling
+from flotilla.operator.autoscaling import metrics as autoscale_metrics
+from flotilla.operator.autoscaling.autoscaler import (
+    QUOTA_LIMITED,
+    ServiceAutoscaler,
+    autoscaling_status,
+    scraped_pods,
+)
+from flotilla.operator.clients import prometheus as prometheus_source
+from flotilla.operator.clients.engine_metrics import PodScraper
+from flotilla.operator.controllers.services import (
+    ISVC,
+    Key,
+    index_one,
+    labels_by_namespace,
+    runtime,
+    tenant_specs,
+)
+from flotilla.operator.desired.status import pod_view
+from flotilla.operator.metrics import API_CALLS
+from flotilla.operator.tenancy.quota import QuotaDecision, decide, used_gpus
+from flotilla.operator.tenancy.rules import tenant_of
+
+log = logging.getLogger("flotilla.operator.autoscaling.autoscaler")
+
+SCRAPE_TIMEOUT_SECONDS = 2.0
+
+
+def _autoscaled(spec, **_) -> bool:
+    return bool((spec or {}).get("autoscaling"))
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _quota(key: Key, spec: dict, indexes: dict, wanted: int, current: int) -> QuotaDecision | None:
+    """The tenancy rule (quota.decide) asked about `wanted` replicas, against the operator's ledger."""
+    rt = runtime()
+    resources = spec.get("resources") or {}
+    gpu_type, gpus = resources.get("gpuType"), resources.get("gpus", 1)
+    with rt.lock:
+        specs = tenant_specs(indexes["tenants"])
+        tenant = tenant_of(key[0], specs, labels_by_namespace(indexes["namespace_labels"]))
+        others = [g for k, g in rt.grants.items() if k != key]
+    if tenant is None:
+        return None
+    return decide(
+        tenant=tenant,
+        tenant_spec=specs[tenant],
+        gpu_type=gpu_type,
+        gpus_per_replica=gpus,
+        requested=wanted,
+        current=current,
+        used_by_others=used_gpus(others, tenant, gpu_type),
+    )
+
+
+def _patch_scale(namespace: str, name: str, replicas: int) -> None:
+    API_CALLS.labels(verb="patch", resource="inferenceservices/scale").inc()
+    runtime().kube.custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, namespace, INFERENCE_SERVICE.plural, name, {"spec": {"replicas": replicas}}
+    )
+
+
+def _patch_status(namespace: str, name: str, autoscaling: dict) -> None:
+    API_CALLS.labels(verb="patch", resource="inferenceservices/status").inc()
+    runtime().kube.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, INFERENCE_SERVICE.plural, name, {"status": {"autoscaling": autoscaling}}
+    )
+
+
+class _Daemon:
+    """The state one service's daemon keeps between decisions."""
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self.scaler: ServiceAutoscaler | None = None
+        self.scraper: PodScraper | None = None
+        self.written: dict | None = None
+
+    async def decide_once(self, client, indexes: dict) -> int:
+        """One scrape-and-decide round; returns the seconds to wait before the next."""
+        namespace, name = self.key
+        obj = index_one(indexes["services"], self.key)
+        if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
+            return 5
+        spec = obj.get("spec") or {}
+        autoscaling = Autoscaling.model_validate(spec["autoscaling"])
+        current = int(spec.get("replicas", 1))
+        if self.scaler is None:
+            self.scaler = ServiceAutoscaler()
+            self.scraper = PodScraper(autoscaling.ttft_window_seconds)
+            self.written = (obj.get("status") or {}).get("autoscaling")
+
+        now = time.monotonic()
+        pods = [pod_view(p) for p in indexes["pods"].get(self.key, [])]
+        targets = scraped_pods(pods)
+        window = autoscaling.ttft_window_seconds
+        prometheus_url = runtime().config.prometheus_url
+        if prometheus_url:
+            signals = await prometheus_source.collect(
+                client, prometheus_url, namespace, name, window, set(targets)
+            )
+        else:
+            live = {p.name for p in pods if not p.deleting}
+            signals = await self.scraper.collect(client, now, window, targets, live)
+        quota = _quota(self.key, spec, indexes, autoscaling.max_replicas, current)
+        step = self.scaler.step(
+            now=now, spec=autoscaling, current=current, pods=pods, signals=signals, quota=quota
+        )
+        outcome = step.outcome
+        if step.errors:
+            autoscale_metrics.SCRAPE_FAILURES.labels(namespace, name).inc(len(step.errors))
+            log.info("%s/%s: scrapes failed: %s", namespace, name, "; ".join(step.errors.values()))
+
+        scaled = outcome.desired != current
+        if scaled:
+            await asyncio.to_thread(_patch_scale, namespace, name, outcome.desired)
+            direction = "up" if outcome.desired > current else "down"
+            autoscale_metrics.SCALES.labels(namespace, name, direction).inc()
+            kopf.event(
+                obj, type="Normal", reason=f"Scaled{direction.title()}", message=outcome.message[:1000]
+            )
+            log.info("%s/%s: scaled %s: %s", namespace, name, direction, outcome.message)
+
+        was_quota_limited = any(
+            c.get("type") == QUOTA_LIMITED and c.get("status") == "True"
+            for c in (self.written or {}).get("conditions") or []
+        )
+        if outcome.quota_limited and not was_quota_limited:
+            kopf.event(obj, type="Warning", reason="QuotaLimited", message=outcome.message[:1000])
+
+        status = autoscaling_status(
+            step,
+            previous=self.written,
+            now=_now(),
+            generation=obj["metadata"].get("generation", 0),
+            scaled=scaled,
+        )
+        await asyncio.to_thread(_patch_status, namespace, name, status)
+        self.written = status
+        m = step.metrics
+        autoscale_metrics.record(
+            namespace,
+            name,
+            outcome.desired,
+            m.ttft_p95_seconds,
+            m.queue_depth_per_replica,
+            m.kv_cache_usage_ratio,
+        )
+        return autoscaling.period_seconds
+
+
+@kopf.daemon(*ISVC, when=_autoscaled, cancellation_timeout=10)
+async def autoscale(stopped: kopf.DaemonStopped, namespace: str, name: str, **kwargs) -> None:
+    import httpx
+
+    indexes = {k: kwargs[k] for k in ("services", "pods", "tenants", "namespace_labels")}
+    daemon = _Daemon((namespace, name))
+    try:
+        # trust_env=False: pod traffic never goes through a proxy from the environment.
+        async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS, trust_env=False) as client:
+            while not stopped:
+                try:
+                    wait = await daemon.decide_once(client, indexes)
+                except Exception as exc:  # one failed round must not end autoscaling for good
+                    log.warning("%s/%s: autoscaling round failed: %s", namespace, name, exc, exc_info=exc)
+                    wait = 5
+                await stopped.wait(wait)
+    finally:
+        autoscale_metrics.forget(namespace, name)

@@ -1,0 +1,276 @@
+"""Tenancy's kopf layer (the admission webhook is in admission_handlers.py): indexes of namespaces
+and GPU pods, and each Tenant's RBAC, ResourceQuota and metering.
+
+Thin on purpose; the decisions are in tenancy.py, tenant_rbac.py and metering.py.
+- One daemon per Tenant, every metering interval: apply the Tenant's RBAC and ResourceQuota when they
+  changed, then meter (lastMeteredTime, now] and write Tenant.status with one conditional PUT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from flotilla.operator.api.v1alpha1 import (
+    GROUP,
+    TENANT,
+    VERSION,
+    Condition,
+    TenantSpec,
+    TenantStatus,
+    TokenCount,
+)
+from flotilla.operator.clients.token_scrape import read_token_counters
+from flotilla.operator.controllers.services import labels_by_namespace, runtime
+from flotilla.operator.desired.status import merge_transition_times
+from flotilla.operator.metrics import API_CALLS
+from flotilla.operator.naming import FIELD_MANAGER, GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL, TENANT_LABEL
+from flotilla.operator.tenancy import rbac as tenant_rbac
+from flotilla.operator.tenancy.metering import (
+    Span,
+    cost,
+    count_tokens,
+    format_time,
+    meter,
+    parse_time,
+    pod_gpus,
+    span_of,
+    usage_views,
+)
+from flotilla.operator.tenancy.metering_metrics import TENANTS
+from flotilla.operator.tenancy.rules import namespaces_of
+from flotilla.operator.tenancy.settings import TenancySettings
+
+log = logging.getLogger("flotilla.operator.tenancy.rules")
+
+SETTINGS = TenancySettings()  # set by runner.py before kopf starts
+_ended: dict[str, Span] = {}  # pod uid -> span of a pod removed since the last metering round
+_ended_lock = threading.Lock()
+_applied: dict[str, str] = {}  # tenant -> digest of the RBAC/ResourceQuota objects last applied
+APPLY = "application/apply-patch+yaml"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Indexes
+
+
+def _compact_pod(body) -> dict:
+    """What metering needs of a pod, and no more (indexes live in memory)."""
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    return {
+        "metadata": {
+            "uid": meta.get("uid"),
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "labels": {
+                k: v for k, v in (meta.get("labels") or {}).items() if k in (SERVICE_LABEL, TENANT_LABEL)
+            },
+        },
+        "spec": {
+            "nodeSelector": {
+                k: v for k, v in (spec.get("nodeSelector") or {}).items() if k == GPU_TYPE_LABEL
+            },
+            "containers": [
+                {
+                    "resources": {
+                        k: {GPU_RESOURCE: v[GPU_RESOURCE]}
+                        for k, v in (c.get("resources") or {}).items()
+                        if v and GPU_RESOURCE in v
+                    }
+                }
+                for c in spec.get("containers") or []
+            ],
+        },
+        "status": {
+            "phase": status.get("phase"),
+            "podIP": status.get("podIP"),
+            "conditions": [
+                {k: c.get(k) for k in ("type", "status", "lastTransitionTime")}
+                for c in status.get("conditions") or []
+                if c.get("type") in ("PodScheduled", "Ready")
+            ],
+            "containerStatuses": [
+                {
+                    "state": {
+                        "terminated": {
+                            "finishedAt": ((s.get("state") or {}).get("terminated") or {}).get("finishedAt")
+                        }
+                    }
+                }
+                for s in status.get("containerStatuses") or []
+                if (s.get("state") or {}).get("terminated")
+            ],
+        },
+    }
+
+
+@kopf.index("", "v1", "pods")
+def gpu_pods(namespace: str, body: kopf.Body, **_) -> dict:
+    pod = _compact_pod(body)
+    return {namespace: pod} if pod_gpus(pod) else {}
+
+
+@kopf.on.event("", "v1", "pods")
+def pod_removed(event: dict, body: kopf.Body, **_) -> None:
+    if event.get("type") != "DELETED":
+        return
+    span = span_of(_compact_pod(body), removed_at=time.time())
+    if span is not None:
+        with _ended_lock:
+            _ended[span.uid] = span
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per Tenant: RBAC, ResourceQuota, metering
+
+
+def _sync_objects(name: str, uid: str, spec: TenantSpec, labels: dict) -> None:
+    existing = [ns for ns in namespaces_of(spec, labels) if ns in labels]
+    objects = tenant_rbac.desired_objects(name, uid, spec, existing)
+    digest = hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()
+    if _applied.get(name) == digest:
+        return
+    kube = runtime().kube
+    rbac = client.RbacAuthorizationV1Api(kube.custom.api_client)
+    apply = {
+        "ClusterRole": lambda o: rbac.patch_cluster_role(o["metadata"]["name"], o, **_ssa()),
+        "ClusterRoleBinding": lambda o: rbac.patch_cluster_role_binding(o["metadata"]["name"], o, **_ssa()),
+        "RoleBinding": lambda o: rbac.patch_namespaced_role_binding(
+            o["metadata"]["name"], o["metadata"]["namespace"], o, **_ssa()
+        ),
+        "ResourceQuota": lambda o: kube.core.patch_namespaced_resource_quota(
+            o["metadata"]["name"], o["metadata"]["namespace"], o, **_ssa()
+        ),
+    }
+    for obj in objects:
+        API_CALLS.labels(verb="apply", resource=obj["kind"]).inc()
+        apply[obj["kind"]](obj)
+    # Namespaces the Tenant no longer claims lose its RoleBinding and ResourceQuota.
+    selector = f"{TENANT_LABEL}={name}"
+    keep = set(existing)
+    for item in rbac.list_role_binding_for_all_namespaces(label_selector=selector).items:
+        if item.metadata.namespace not in keep:
+            rbac.delete_namespaced_role_binding(item.metadata.name, item.metadata.namespace)
+    for item in kube.core.list_resource_quota_for_all_namespaces(label_selector=selector).items:
+        if item.metadata.namespace not in keep:
+            kube.core.delete_namespaced_resource_quota(item.metadata.name, item.metadata.namespace)
+    _applied[name] = digest
+    log.info(
+        "tenant %s: applied RBAC and ResourceQuota for namespaces %s", name, ", ".join(existing) or "none"
+    )
+
+
+def _ssa() -> dict:
+    return {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
+
+
+def _meter(name: str, kwargs: dict) -> None:
+    """One metering round: read the Tenant, add (lastMeteredTime, now], write it back conditionally."""
+    custom = runtime().kube.custom
+    API_CALLS.labels(verb="get", resource="tenants").inc()
+    obj = custom.get_cluster_custom_object(GROUP, VERSION, TENANT.plural, name)
+    spec = TenantSpec.model_validate(obj.get("spec") or {})
+    status = TenantStatus.model_validate(obj.get("status") or {})
+    labels = labels_by_namespace(kwargs["namespace_labels"])
+    _sync_objects(name, obj["metadata"]["uid"], spec, labels)
+    mine = set(namespaces_of(spec, labels))
+
+    now = time.time()
+    pods = [p for ns in mine for p in kwargs["gpu_pods"].get(ns, [])]
+    spans = {s.uid: s for s in (span_of(p) for p in pods) if s is not None}
+    with _ended_lock:
+        ended = {uid: s for uid, s in _ended.items() if s.namespace in mine}
+    spans.update(ended)
+    ledger = meter(status.ledger, spans.values(), parse_time(status.last_metered_time), now)
+
+    live = {p["metadata"]["uid"] for p in pods}
+    counters = read_token_counters(pods)
+    added, token_counters = count_tokens(ledger.token_counters, counters)
+    ledger = ledger.model_copy(
+        update={"token_counters": {uid: c for uid, c in token_counters.items() if uid in live}}
+    )
+    tokens = TokenCount(input=status.tokens.input + added.input, output=status.tokens.output + added.output)
+
+    allocated: dict[str, int] = {}
+    for span in spans.values():
+        if span.end is None:
+            allocated[span.gpu_type] = allocated.get(span.gpu_type, 0) + span.gpus
+    views = usage_views(ledger, now)
+    total_cost = cost(views.total.by_gpu_type, spec.price_per_gpu_hour)
+    served = tokens.input + tokens.output
+    stamp = format_time(now)
+    new_status = TenantStatus(
+        gpus_allocated=allocated,
+        gpu_quota=dict(spec.gpu_quota),
+        services=sum(1 for key in kwargs["services"] if key[0] in mine),
+        usage=views,
+        tokens=tokens,
+        cost=round(total_cost, 6),
+        cost_per_million_tokens=round(total_cost / served * 1e6, 6) if served else None,
+        ledger=ledger,
+        last_metered_time=stamp,
+        conditions=merge_transition_times(
+            _conditions(name, spec, allocated),
+            [c.to_wire() for c in status.conditions],
+            stamp[:19] + "Z",
+            obj["metadata"].get("generation", 0),
+        ),
+    )
+    body = {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "metadata": {"name": name, "resourceVersion": obj["metadata"]["resourceVersion"]},
+        "spec": obj.get("spec") or {},
+        "status": new_status.to_wire(),
+    }
+    API_CALLS.labels(verb="update", resource="tenants/status").inc()
+    custom.replace_cluster_custom_object_status(GROUP, VERSION, TENANT.plural, name, body)
+    with _ended_lock:
+        for uid, span in ended.items():
+            if _ended.get(uid) is span:
+                del _ended[uid]
+    TENANTS.update(name, new_status)
+
+
+def _conditions(name: str, spec: TenantSpec, allocated: dict[str, int]) -> list[Condition]:
+    over = {t: n for t, n in sorted(allocated.items()) if n > spec.gpu_quota.get(t, 0)}
+    if over:
+        detail = "; ".join(f"{n} {t} GPUs held, quota {spec.gpu_quota.get(t, 0)}" for t, n in over.items())
+        limited = Condition(
+            type="QuotaLimited",
+            status="True",
+            reason="OverQuota",
+            message=f"tenant {name}: {detail}; running pods are kept, scale-up is refused until use falls",
+        )
+    else:
+        limited = Condition(
+            type="QuotaLimited", status="False", reason="WithinQuota", message=f"tenant {name}: within quota"
+        )
+    metered = Condition(type="Metered", status="True", reason="Metered", message="GPU time metered")
+    return [metered, limited]
+
+
+@kopf.daemon(GROUP, VERSION, TENANT.plural, cancellation_timeout=10)
+def meter_tenant(stopped: kopf.DaemonStopped, name: str, **kwargs) -> None:
+    while not stopped:
+        try:
+            _meter(name, kwargs)
+        except ApiException as exc:
+            if exc.status == 409:  # the Tenant changed since we read it: the next round covers this one
+                log.info("tenant %s: metering round skipped (conflict)", name)
+            elif exc.status == 404:
+                TENANTS.forget(name)
+                return
+            else:
+                log.warning("tenant %s: metering round failed: %s", name, exc)
+        except Exception as exc:  # one bad round must not end metering for good
+            log.warning("tenant %s: metering round failed: %s", name, exc, exc_info=exc)
+        stopped.wait(SETTINGS.metering_interval_seconds)
+    _applied.pop(name, None)

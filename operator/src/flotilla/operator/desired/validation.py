@@ -1,0 +1,88 @@
+"""Semantic validation: specs that are well-formed (the CRD schema passed them) but wrong in meaning.
+
+Pure: what the rules need from the world (the GPU types the nodes offer, whether a path exists) is passed
+in. Each problem names the field, what is wrong and what would be right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from flotilla.operator.api.v1alpha1 import InferenceServiceSpec
+from flotilla.operator.desired.model_source import ModelUriError, parse_model_uri
+from flotilla.operator.desired.workload import quantity_bytes
+from flotilla.operator.naming import GPU_TYPE_LABEL
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+    reason: str  # CamelCase, for the Valid condition and the Event
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def parse_spec(raw: dict) -> tuple[InferenceServiceSpec | None, list[Problem]]:
+    """The typed spec, or the schema problems when the object bypassed the CRD schema (or it changed)."""
+    try:
+        return InferenceServiceSpec.model_validate(raw), []
+    except ValidationError as exc:
+        problems = [
+            Problem("spec." + ".".join(str(p) for p in err["loc"]), err["msg"], "InvalidSpec")
+            for err in exc.errors()
+        ]
+        return None, problems
+
+
+def validate(
+    spec: InferenceServiceSpec,
+    *,
+    gpu_types: Iterable[str],
+    path_exists: Callable[[str], bool] | None,
+) -> list[Problem]:
+    """Problems with a parsed spec. `path_exists` is None when file paths cannot be checked from here."""
+    problems: list[Problem] = []
+    auto = spec.autoscaling
+    if auto is not None and auto.min_replicas > auto.max_replicas:
+        problems.append(
+            Problem(
+                "spec.autoscaling",
+                f"minReplicas ({auto.min_replicas}) is greater than maxReplicas ({auto.max_replicas})",
+                "InvalidReplicaRange",
+            )
+        )
+    try:
+        model = parse_model_uri(spec.model.uri)
+    except ModelUriError as exc:
+        problems.append(Problem("spec.model.uri", str(exc), "InvalidModelUri"))
+    else:
+        if model.scheme == "file" and path_exists is not None and not path_exists(model.location):
+            problems.append(
+                Problem(
+                    "spec.model.uri",
+                    f"model path {model.location} does not exist on the nodes",
+                    "ModelNotFound",
+                )
+            )
+    if spec.engine.kv_cache_memory is not None:
+        try:
+            quantity_bytes(spec.engine.kv_cache_memory)
+        except ValueError as exc:
+            problems.append(Problem("spec.engine.kvCacheMemory", str(exc), "InvalidQuantity"))
+    gpu_type = spec.resources.gpu_type
+    known = sorted(set(gpu_types))
+    if gpu_type is not None and gpu_type not in known:
+        offered = ", ".join(known) if known else "none"
+        problems.append(
+            Problem(
+                "spec.resources.gpuType",
+                f"no node has GPU type {gpu_type!r} (node label {GPU_TYPE_LABEL}); types on nodes: {offered}",
+                "UnknownGPUType",
+            )
+        )
+    return problems

@@ -1,0 +1,279 @@
+"""Desired state: pure functions from an InferenceService (plus what the operator decided about it) to the
+Deployment, Service and PodDisruptionBudget that serve it. No I/O here; the kopf layer applies the result
+with server-side apply, so every field written here is a field the operator owns and keeps.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from flotilla.operator.api.v1alpha1 import API_VERSION, INFERENCE_SERVICE, EngineConfig, InferenceServiceSpec
+from flotilla.operator.config import ENGINE_PORT, ENGINE_SHUTDOWN_DELAY, OperatorConfig
+from flotilla.operator.desired.model_source import model_mount, parse_model_uri
+from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, child_labels, selector_labels
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict:
+        # controller=True: the garbage collector deletes children with the service, and tools show the owner.
+        return {
+            "apiVersion": API_VERSION,
+            "kind": INFERENCE_SERVICE.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the operator decided beyond the spec: the tenant and the replicas quota admits."""
+
+    tenant: str
+    replicas: int
+
+
+def served_name(owner: Owner, spec: InferenceServiceSpec) -> str:
+    return spec.model.served_name or owner.name
+
+
+def target_replicas(spec: InferenceServiceSpec) -> int:
+    """spec.replicas, kept inside the autoscaling bounds when there are any."""
+    if spec.autoscaling is None:
+        return spec.replicas
+    return max(spec.autoscaling.min_replicas, min(spec.replicas, spec.autoscaling.max_replicas))
+
+
+def engine_flags(engine: EngineConfig) -> list[str]:
+    """`flotilla engine serve` flags for the engine settings in the spec (unset ones keep engine defaults)."""
+    flags: list[str] = []
+    if engine.max_num_seqs is not None:
+        flags += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.block_size is not None:
+        flags += ["--block-size", str(engine.block_size)]
+    if engine.kv_cache_memory is not None:
+        flags += ["--kv-cache-memory", str(quantity_bytes(engine.kv_cache_memory))]
+    if engine.prefix_caching is False:  # on by default in the engine
+        flags.append("--no-prefix-caching")
+    if engine.dtype is not None:
+        flags += ["--dtype", engine.dtype]
+    return flags + list(engine.extra_args)
+
+
+_QUANTITY_SUFFIXES = {
+    **{s: 1000**i for i, s in enumerate(["", "k", "M", "G", "T", "P", "E"])},
+    **{s: 1024**i for i, s in enumerate(["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"], start=1)},
+}
+
+
+_QUANTITY = re.compile(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+
+
+def quantity_bytes(quantity: str | int) -> int:
+    """A Kubernetes quantity ("2Gi", "500M", 1073741824) as a whole number of bytes."""
+    match = _QUANTITY.fullmatch(str(quantity).strip())
+    if match is None:
+        raise ValueError(f"{quantity!r} is not a byte quantity (examples: 2Gi, 512Mi, 1073741824)")
+    return int(float(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2) or ""])
+
+
+def engine_command(
+    owner: Owner, spec: InferenceServiceSpec, model_path: str, drain_seconds: int | None = None
+) -> list[str]:
+    # $(POD_IP) is expanded by the kubelet (and the local node agent) from the env var below.
+    return [
+        "flotilla",
+        "engine",
+        "serve",
+        "--model",
+        model_path,
+        "--host",
+        "$(POD_IP)",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        served_name(owner, spec),
+        *(["--shutdown-delay", str(ENGINE_SHUTDOWN_DELAY)] if drain_seconds else []),
+        *(["--drain-timeout", str(drain_seconds)] if drain_seconds else []),
+        *engine_flags(spec.engine),
+    ]
+
+
+def _resources(spec: InferenceServiceSpec) -> dict:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if spec.resources.gpus:
+        # Extended resources must have requests == limits.
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(spec.resources.gpus)
+    if spec.resources.cpu is not None:
+        requests["cpu"] = str(spec.resources.cpu)
+    if spec.resources.memory is not None:
+        # Memory is not compressible: a limit equal to the request avoids surprise OOM kills of neighbours.
+        requests["memory"] = limits["memory"] = str(spec.resources.memory)
+    out: dict[str, dict] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period: int, failures: int) -> dict:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 2,
+    }
+
+
+def _env(owner: Owner, tenant: str) -> list[dict]:
+    return [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "FLOTILLA_TENANT", "value": tenant},
+        {"name": "FLOTILLA_SERVICE", "value": owner.name},
+        {"name": "FLOTILLA_NAMESPACE", "value": owner.namespace},
+        # A writable HOME under the read-only root filesystem.
+        {"name": "HOME", "value": "/tmp"},
+    ]
+
+
+def pod_template(
+    owner: Owner, spec: InferenceServiceSpec, decision: Decision, config: OperatorConfig
+) -> dict:
+    image = spec.image or config.default_image
+    mount = model_mount(parse_model_uri(spec.model.uri), config, image)
+    container = {
+        "name": "engine",
+        "image": image,
+        # On SIGTERM the engine serves on while endpoints drop it, then drains in-flight requests; both
+        # must end, with 10 s to spare, before the grace period does.
+        "command": engine_command(
+            owner, spec, mount.path, max(1, config.termination_grace_seconds - 10 - ENGINE_SHUTDOWN_DELAY)
+        ),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(owner, decision.tenant),
+        "resources": _resources(spec),
+        "readinessProbe": _probe("/health", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=10, failures=3),
+        "startupProbe": _probe(
+            "/health", period=config.startup_probe_period_seconds, failures=config.startup_probe_failures
+        ),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mount.mounts],
+    }
+    pod_spec: dict = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": config.termination_grace_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *mount.volumes],
+    }
+    if mount.init_containers:
+        pod_spec["initContainers"] = [
+            {**init, "securityContext": container["securityContext"]} for init in mount.init_containers
+        ]
+    if spec.resources.gpu_type:
+        pod_spec["nodeSelector"] = {GPU_TYPE_LABEL: spec.resources.gpu_type}
+    if spec.resources.gpus:
+        # GPU nodes are commonly tainted so that only GPU pods land there.
+        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return {
+        "metadata": {
+            "labels": child_labels(owner.name, decision.tenant),
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(ENGINE_PORT),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+def _metadata(owner: Owner, decision: Decision) -> dict:
+    return {
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "labels": child_labels(owner.name, decision.tenant),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def deployment(owner: Owner, spec: InferenceServiceSpec, decision: Decision, config: OperatorConfig) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, decision),
+        "spec": {
+            "replicas": decision.replicas,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            # Never below the ready count during a rollout: a new pod must be ready before an old one goes.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": config.startup_probe_period_seconds * config.startup_probe_failures
+            + 60,
+            "template": pod_template(owner, spec, decision, config),
+        },
+    }
+
+
+def service(owner: Owner, decision: Decision) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, decision),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(owner: Owner, decision: Decision) -> dict:
+    # One pod at a time on voluntary disruptions (drains): a single-replica service can still be drained.
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, decision),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name)}},
+    }
+
+
+def children(
+    owner: Owner, spec: InferenceServiceSpec, decision: Decision, config: OperatorConfig
+) -> list[dict]:
+    """Everything one InferenceService owns, in the order to apply it."""
+    return [
+        deployment(owner, spec, decision, config),
+        service(owner, decision),
+        pod_disruption_budget(owner, decision),
+    ]
+
+
+def service_url(owner: Owner) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc:{ENGINE_PORT}/v1"

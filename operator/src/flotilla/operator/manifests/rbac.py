@@ -1,0 +1,120 @@
+"""Least-privilege RBAC for the operator: exactly the verbs its code uses, each with the reason.
+
+`flotilla operator rbac` writes deploy/operator-rbac.yaml from this; a test fails when the file drifts.
+The e2e tests run the operator under this identity, so a missing verb fails them.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT
+from flotilla.operator.tenancy import rbac as tenant_rbac
+
+SERVICE_ACCOUNT = "flotilla-operator"
+PEERING = "flotilla"  # the ClusterKopfPeering object the operator's replicas meet in
+ROLE = "flotilla-operator"
+
+# (apiGroup, resources, verbs, why). Server-side apply is a PATCH, and needs create when the object is new.
+RULES: list[tuple[str, list[str], list[str], str]] = [
+    (
+        GROUP,
+        [INFERENCE_SERVICE.plural],
+        ["get", "list", "watch", "patch"],
+        "reconcile; kopf's progress annotations",
+    ),
+    (GROUP, [f"{INFERENCE_SERVICE.plural}/status"], ["get", "patch"], "write conditions and replicas"),
+    (GROUP, [f"{INFERENCE_SERVICE.plural}/scale"], ["get", "patch"], "the autoscaler sets replicas"),
+    (
+        GROUP,
+        [f"{INFERENCE_SERVICE.plural}/finalizers"],
+        ["update"],
+        "ownerReferences with blockOwnerDeletion",
+    ),
+    (GROUP, [TENANT.plural], ["get", "list", "watch"], "which tenant owns a namespace, and its quota"),
+    ("apps", ["deployments"], ["get", "list", "watch", "create", "patch"], "engine pods; drift correction"),
+    ("", ["services"], ["get", "list", "watch", "create", "patch"], "the service's stable address"),
+    ("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch"], "drain safety"),
+    ("", ["pods"], ["get", "list", "watch"], "status: readiness, restarts, endpoints"),
+    ("", ["nodes"], ["get", "list", "watch"], "which GPU types exist, for validation"),
+    ("", ["events"], ["create"], "Warning and Normal events on InferenceServices"),
+    (
+        "apiextensions.k8s.io",
+        ["customresourcedefinitions"],
+        ["get", "list", "watch"],
+        "kopf resource discovery",
+    ),
+    ("", ["namespaces"], ["get", "list", "watch"], "kopf namespace discovery"),
+    (
+        "kopf.dev",
+        ["clusterkopfpeerings"],
+        ["get", "list", "watch", "patch"],
+        "kopf peering: one active operator",
+    ),
+]
+
+
+def manifests(namespace: str) -> list[dict]:
+    rules = []
+    for group, resources, verbs, _why in RULES + tenant_rbac.OPERATOR_RULES:
+        rules.append({"apiGroups": [group], "resources": resources, "verbs": verbs})
+    rules.append(tenant_rbac.BIND_RULE)
+    labels = {"app.kubernetes.io/name": "flotilla-operator"}
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": SERVICE_ACCOUNT, "namespace": namespace, "labels": labels},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": ROLE, "labels": labels},
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": ROLE, "labels": labels},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE},
+            "subjects": [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": namespace}],
+        },
+        *_tenancy_manifests(namespace, labels),
+        {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": PEERING, "labels": labels},
+        },
+    ]
+
+
+def _tenancy_manifests(namespace: str, labels: dict) -> list[dict]:
+    """The member role every Tenant's RoleBindings grant, and the Secret access for the webhook's CA."""
+    meta = {"name": ROLE, "namespace": namespace, "labels": labels}
+    return [
+        tenant_rbac.member_cluster_role(),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+         "rules": tenant_rbac.SECRET_RULES},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROLE},
+            "subjects": [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": namespace}],
+        },
+    ]  # fmt: skip
+
+
+def render(namespace: str) -> str:
+    header = "# Generated from operator/src/rbac.py by `flotilla operator rbac`. Do not edit by hand.\n"
+    notes = "".join(
+        f"#   {group or 'core'}/{','.join(res)}: {','.join(verbs)} -- {why}\n"
+        for group, res, verbs, why in RULES + tenant_rbac.OPERATOR_RULES
+    )
+    return (
+        header
+        + "# Why each rule exists:\n"
+        + notes
+        + yaml.safe_dump_all(manifests(namespace), sort_keys=False)
+    )

@@ -1,0 +1,176 @@
+"""GPU metering: pods' GPU-holding spans -> GPU-seconds in the Tenant's ledger. Pure.
+
+A pod holds `gpus` from binding (its PodScheduled condition turning True) until it ends: its containers
+terminated (Succeeded/Failed: the last finishedAt), or it was deleted (the last finishedAt if the node
+reported one, else the moment the operator saw it removed from the API).
+
+Exactly once: each metering round covers the interval (lastMeteredTime, now] and writes the new totals
+and the new lastMeteredTime in ONE status update, conditional on the Tenant's resourceVersion. A round
+that fails or conflicts writes nothing, and the next round covers the whole interval again; a restarted
+operator carries on from the lastMeteredTime it reads back. No interval is counted twice or skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+
+from flotilla.operator.api.v1alpha1 import GPUSeconds, MeteringLedger, TenantUsage, TokenCount
+from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL
+
+DAILY_RETENTION_DAYS = 62  # two months of daily buckets back `flotilla usage --since/--until`
+UNKNOWN = "-"  # the service or GPU type of a pod that names none
+
+
+@dataclass(frozen=True)
+class Span:
+    uid: str
+    namespace: str
+    service: str
+    gpu_type: str
+    gpus: int
+    start: float  # epoch seconds
+    end: float | None  # None: still holding
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.service}/{self.gpu_type}"
+
+
+def parse_time(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def format_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def pod_gpus(pod: Mapping) -> int:
+    total = 0
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        value = (resources.get("limits") or {}).get(GPU_RESOURCE) or (resources.get("requests") or {}).get(
+            GPU_RESOURCE
+        )
+        total += int(value or 0)
+    return total
+
+
+def span_of(pod: Mapping, *, removed_at: float | None = None) -> Span | None:
+    """The pod's GPU span, or None when it holds no GPUs or was never bound. `removed_at`: when the pod
+    was seen deleted from the API (a terminating pod holds its GPUs until its containers stop)."""
+    gpus = pod_gpus(pod)
+    status = pod.get("status") or {}
+    scheduled = next(
+        (
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") == "PodScheduled" and c.get("status") == "True"
+        ),
+        None,
+    )
+    start = parse_time((scheduled or {}).get("lastTransitionTime"))
+    if gpus == 0 or start is None:
+        return None
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    finished = [
+        parse_time(((s.get("state") or {}).get("terminated") or {}).get("finishedAt"))
+        for s in status.get("containerStatuses") or []
+    ]
+    finished = [f for f in finished if f is not None]
+    end = None
+    if status.get("phase") in ("Succeeded", "Failed") and finished:
+        end = max(finished)
+    elif removed_at is not None:
+        end = max(finished) if finished else removed_at
+    if end is not None:
+        end = max(end, start)
+    return Span(
+        uid=meta.get("uid", ""),
+        namespace=meta.get("namespace", ""),
+        service=(meta.get("labels") or {}).get(SERVICE_LABEL) or UNKNOWN,
+        gpu_type=(spec.get("nodeSelector") or {}).get(GPU_TYPE_LABEL) or UNKNOWN,
+        gpus=gpus,
+        start=start,
+        end=end,
+    )
+
+
+def _day(epoch: float) -> date:
+    return datetime.fromtimestamp(epoch, UTC).date()
+
+
+def _day_start(day: date) -> float:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp()
+
+
+def split_by_day(start: float, end: float) -> Iterable[tuple[str, float]]:
+    """(UTC date, seconds) pieces of [start, end)."""
+    while start < end:
+        day = _day(start)
+        stop = min(end, _day_start(day + timedelta(days=1)))
+        yield day.isoformat(), stop - start
+        start = stop
+
+
+def meter(ledger: MeteringLedger, spans: Iterable[Span], since: float | None, until: float) -> MeteringLedger:
+    """The ledger plus every span's GPU-seconds inside (since, until]. `since` None: from each span's
+    start (the first round ever counts pods that ran before any operator did)."""
+    total = dict(ledger.total)
+    daily = {d: dict(v) for d, v in ledger.daily.items()}
+    for span in spans:
+        lo = span.start if since is None else max(span.start, since)
+        hi = until if span.end is None else min(span.end, until)
+        for day, seconds in split_by_day(lo, hi):
+            total[span.key] = total.get(span.key, 0.0) + seconds * span.gpus
+            bucket = daily.setdefault(day, {})
+            bucket[span.key] = bucket.get(span.key, 0.0) + seconds * span.gpus
+    oldest = (_day(until) - timedelta(days=DAILY_RETENTION_DAYS)).isoformat()
+    daily = {d: v for d, v in daily.items() if d >= oldest}
+    return ledger.model_copy(update={"total": total, "daily": daily})
+
+
+def _view(entries: Iterable[tuple[str, float]]) -> GPUSeconds:
+    view = GPUSeconds()
+    for key, seconds in entries:
+        namespace, service, gpu_type = key.split("/", 2)
+        view.total += seconds
+        for field, name in (
+            (view.by_namespace, namespace),
+            (view.by_service, f"{namespace}/{service}"),
+            (view.by_gpu_type, gpu_type),
+        ):
+            field[name] = field.get(name, 0.0) + seconds
+    return view
+
+
+def usage_views(ledger: MeteringLedger, now: float) -> TenantUsage:
+    today = _day(now)
+    month = today.strftime("%Y-%m")
+    return TenantUsage(
+        today=_view(ledger.daily.get(today.isoformat(), {}).items()),
+        month=_view(kv for d, v in ledger.daily.items() if d.startswith(month) for kv in v.items()),
+        total=_view(ledger.total.items()),
+    )
+
+
+def cost(gpu_seconds_by_type: Mapping[str, float], price_per_gpu_hour: Mapping[str, float]) -> float:
+    """GPU-hours x the current price of each type; types without a price cost nothing."""
+    return sum(s / 3600.0 * price_per_gpu_hour.get(t, 0.0) for t, s in gpu_seconds_by_type.items())
+
+
+def count_tokens(
+    previous: Mapping[str, TokenCount], current: Mapping[str, TokenCount]
+) -> tuple[TokenCount, dict[str, TokenCount]]:
+    """Tokens served since the last read, from each pod's counters (keyed by pod uid). A pod first seen
+    counts from zero; a counter that went down restarted (the engine process restarted) and counts from
+    zero again. Pods not read this time keep their last counters until they are gone."""
+    added_in = added_out = 0
+    for uid, now in current.items():
+        before = previous.get(uid, TokenCount())
+        added_in += now.input - before.input if now.input >= before.input else now.input
+        added_out += now.output - before.output if now.output >= before.output else now.output
+    return TokenCount(input=added_in, output=added_out), {**previous, **current}
