@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole suite: lint, unit tests, then the tests against the real local cluster.
+# The whole suite: lint, import contracts, type check, unit tests, then the real-cluster tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .venv/bin/activate
@@ -7,6 +7,12 @@ source .venv/bin/activate
 echo "== ruff"
 ruff check .
 ruff format --check .
+
+echo "== import contracts (the layers in .importlinter)"
+lint-imports
+
+echo "== type check (basedpyright: every flotilla.* import resolves)"
+basedpyright --level error
 
 echo "== control-plane binaries (built once per version, cached outside the repo)"
 flotilla cluster build

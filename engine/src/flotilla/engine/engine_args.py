@@ -6,6 +6,15 @@ from __future__ import annotations
 import argparse
 import re
 
+from flotilla.contract import (
+    FLAG_BLOCK_SIZE,
+    FLAG_DTYPE,
+    FLAG_KV_CACHE_MEMORY,
+    FLAG_MAX_NUM_BATCHED_TOKENS,
+    FLAG_MAX_NUM_SEQS,
+    FLAG_MODEL,
+    FLAG_NO_PREFIX_CACHING,
+)
 from flotilla.engine.config import EngineConfig
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
@@ -36,15 +45,15 @@ def thread_count(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", required=True, help="a local Hugging Face model folder")
-    group.add_argument("--dtype", default=defaults.dtype, help="auto, bfloat16, float16 or float32")
+    group.add_argument(FLAG_MODEL, required=True, help="a local Hugging Face model folder")
+    group.add_argument(FLAG_DTYPE, default=defaults.dtype, help="auto, bfloat16, float16 or float32")
     group.add_argument("--device", default=defaults.device, help="auto, cpu or cuda[:N]")
-    group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    group.add_argument(FLAG_BLOCK_SIZE, type=int, default=defaults.block_size, help="tokens per KV block")
     group.add_argument(
-        "--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most requests in one batch"
+        FLAG_MAX_NUM_SEQS, type=int, default=defaults.max_num_seqs, help="most requests in one batch"
     )
     group.add_argument(
-        "--max-num-batched-tokens",
+        FLAG_MAX_NUM_BATCHED_TOKENS,
         type=int,
         default=defaults.max_num_batched_tokens,
         help="token budget of one step (prefill chunks included)",
@@ -53,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     group.add_argument(
-        "--kv-cache-memory",
+        FLAG_KV_CACHE_MEMORY,
         type=parse_bytes,
         default=None,
         help="bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, "
@@ -61,7 +70,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument(
-        "--no-prefix-caching", action="store_true", help="turn off prefix caching of KV blocks"
+        FLAG_NO_PREFIX_CACHING, action="store_true", help="turn off prefix caching of KV blocks"
     )
     group.add_argument(
         "--attention-backend", default=defaults.attention_backend, choices=["auto", "torch", "triton"]

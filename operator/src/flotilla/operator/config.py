@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ENGINE_PORT = 8000
 ENGINE_SHUTDOWN_DELAY = 5  # seconds the engine serves on after SIGTERM while endpoints drop it
 
 

@@ -7,6 +7,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 
+from flotilla.contract import METRICS_PATH
+
 RECONCILE_DURATION = Histogram(
     "flotilla_reconcile_duration_seconds",
     "Time to reconcile one InferenceService (plan, apply, status)",
@@ -55,7 +57,7 @@ HEALTH = Health()
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
         path = self.path.split("?", 1)[0]
-        if path == "/metrics":
+        if path == METRICS_PATH:
             self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
         elif path == "/healthz":
             ok = HEALTH.ok

@@ -1,4 +1,4 @@
-"""`flotilla model ...`: create and inspect model folders. Import-light: torch loads inside commands."""
+"""`flotilla model ...`: create, fetch and inspect model folders. Import-light: torch loads inside commands."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from flotilla.contract import FLAG_FETCH_DEST, MODEL_FETCH
 
 
 def add_commands(subparsers) -> None:
@@ -23,6 +25,17 @@ def add_commands(subparsers) -> None:
     info = subparsers.add_parser("info", help="check that a model folder loads and describe it")
     info.add_argument("dir", type=Path)
     info.set_defaults(func=_info)
+
+    fetch = subparsers.add_parser(
+        MODEL_FETCH[-1],
+        help="download a model folder from the Hugging Face Hub or a tar archive",
+        description="Download a model folder into --dest, atomically: the folder appears only once complete. "
+        "A --dest that already holds a model folder is left as it is. "
+        "hf:// honours HF_ENDPOINT and HF_TOKEN.",
+    )
+    fetch.add_argument("uri", help="hf://org/name[@revision] or http(s)://…/model.tar.gz[#sha256=<hex>]")
+    fetch.add_argument(FLAG_FETCH_DEST, type=Path, required=True, help="the model folder to create")
+    fetch.set_defaults(func=_fetch)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -59,4 +72,20 @@ def _info(args: argparse.Namespace) -> int:
         "chat_template": tokenizer.chat_template is not None,
     }
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from flotilla.engine.model.fetch import FetchError, fetch_model, redact_uri
+
+    shown = redact_uri(args.uri)
+    try:
+        fetched = fetch_model(args.uri, args.dest)
+    except FetchError as exc:
+        print(f"flotilla model fetch: {shown}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if fetched:
+        print(f"fetched {shown} into {args.dest}")
+    else:
+        print(f"{args.dest} already holds a model folder (config.json): nothing to fetch")
     return 0

@@ -9,16 +9,27 @@ import os
 import sys
 from pathlib import Path
 
+from flotilla.contract import (
+    ENGINE_PORT,
+    ENV_API_KEY,
+    FLAG_DRAIN_TIMEOUT,
+    FLAG_HOST,
+    FLAG_PORT,
+    FLAG_SERVED_MODEL_NAME,
+    FLAG_SHUTDOWN_DELAY,
+)
 from flotilla.engine.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", help="the model name clients use (default: the folder's name)")
+    parser.add_argument(FLAG_HOST, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument(FLAG_PORT, type=int, default=ENGINE_PORT)
+    parser.add_argument(
+        FLAG_SERVED_MODEL_NAME, help="the model name clients use (default: the folder's name)"
+    )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("FLOTILLA_API_KEY"),
+        default=os.environ.get(ENV_API_KEY),
         help="require 'Authorization: Bearer KEY' on the API (default: $FLOTILLA_API_KEY; unset: no key)",
     )
     parser.add_argument(
@@ -29,13 +40,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-size", type=parse_bytes, default="8MiB", help="largest request body")
     parser.add_argument(
-        "--drain-timeout",
+        FLAG_DRAIN_TIMEOUT,
         type=float,
         default=25.0,
         help="on SIGTERM, seconds to let in-flight requests finish (keep it under the pod's grace period)",
     )
     parser.add_argument(
-        "--shutdown-delay",
+        FLAG_SHUTDOWN_DELAY,
         type=float,
         default=5.0,
         help="on SIGTERM, keep serving new requests this long while /health is 503, so endpoints stop "
@@ -65,8 +76,8 @@ def run_serve(args: argparse.Namespace) -> int:
     folder = Path(args.model)
     try:  # fail fast, before listening, on flags or a folder that cannot work
         for flag, value in (
-            ("--shutdown-delay", args.shutdown_delay),
-            ("--drain-timeout", args.drain_timeout),
+            (FLAG_SHUTDOWN_DELAY, args.shutdown_delay),
+            (FLAG_DRAIN_TIMEOUT, args.drain_timeout),
         ):
             if value < 0:
                 raise ValueError(f"{flag} must be 0 seconds or more, got {value}")

@@ -2,8 +2,9 @@
 
 Latency histograms are observed by the server as outputs stream out. Counters and gauges are read
 from the engine's stats snapshot at scrape time, so the engine loop never waits on the metrics.
-Every series carries `model`, `tenant` and `service`; the operator sets FLOTILLA_TENANT and
-FLOTILLA_SERVICE, and an unset one is exported as "" (which Prometheus treats as no label).
+Every series carries `model`, `tenant` and `service`; the operator sets the tenant and service
+environment variables (flotilla.contract), and an unset one is exported as "" (which Prometheus treats
+as no label). Names, labels and variables all come from flotilla.contract.
 """
 
 from __future__ import annotations
@@ -14,22 +15,43 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from flotilla.contract import (
+    E2E_REQUEST_LATENCY,
+    ENGINE_LABELS,
+    ENV_SERVICE,
+    ENV_TENANT,
+    FINISH_REASONS,
+    GENERATION_TOKENS,
+    INTER_TOKEN_LATENCY,
+    KV_CACHE_USAGE_RATIO,
+    LABEL_FINISH_REASON,
+    LABEL_MODEL,
+    LABEL_SERVICE,
+    LABEL_TENANT,
+    NUM_PREEMPTIONS,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    PROMPT_TOKENS,
+    REQUEST_SUCCESS,
+    TIME_TO_FIRST_TOKEN,
+)
 from flotilla.engine.core.outputs import EngineStats, RequestOutput
 
-LABELS = ("model", "tenant", "service")
+LABELS = ENGINE_LABELS
 # 1 ms to 5 minutes: CPU-only tiny models answer in milliseconds, a loaded big model in minutes.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
-FINISH_REASONS = ("stop", "length", "abort")
 
 
 def label_values(model: str) -> dict[str, str]:
     return {
-        "model": model,
-        "tenant": os.environ.get("FLOTILLA_TENANT", ""),
-        "service": os.environ.get("FLOTILLA_SERVICE", ""),
+        LABEL_MODEL: model,
+        LABEL_TENANT: os.environ.get(ENV_TENANT, ""),
+        LABEL_SERVICE: os.environ.get(ENV_SERVICE, ""),
     }
 
 
@@ -54,28 +76,26 @@ class _StatsCollector:
             family.add_metric(values, value)
             return family
 
-        yield gauge("flotilla_num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge(NUM_REQUESTS_RUNNING, "Requests in the running batch.", stats.num_running)
         yield gauge(
-            "flotilla_num_requests_waiting",
+            NUM_REQUESTS_WAITING,
             "Requests queued, not yet scheduled (queue depth).",
             stats.num_waiting,
         )
-        yield gauge("flotilla_kv_cache_usage_ratio", "Used KV blocks / all KV blocks.", stats.kv_cache_usage)
+        yield gauge(KV_CACHE_USAGE_RATIO, "Used KV blocks / all KV blocks.", stats.kv_cache_usage)
         yield counter(
-            "flotilla_prefix_cache_queries",
+            PREFIX_CACHE_QUERIES,
             "Prompt tokens looked up in the prefix cache.",
             stats.prefix_cache_queries,
         )
-        yield counter(
-            "flotilla_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
-        )
-        yield counter("flotilla_prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens)
-        yield counter("flotilla_generation_tokens", "Tokens generated.", stats.generation_tokens)
-        yield counter("flotilla_num_preemptions", "Sequences preempted.", stats.num_preemptions)
+        yield counter(PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield counter(PROMPT_TOKENS, "Prompt tokens processed.", stats.prompt_tokens)
+        yield counter(GENERATION_TOKENS, "Tokens generated.", stats.generation_tokens)
+        yield counter(NUM_PREEMPTIONS, "Sequences preempted.", stats.num_preemptions)
         finished = CounterMetricFamily(
-            "flotilla_request_success",
+            REQUEST_SUCCESS,
             "Finished requests by finish reason.",
-            labels=[*names, "finish_reason"],
+            labels=[*names, LABEL_FINISH_REASON],
         )
         reasons = dict.fromkeys(FINISH_REASONS, 0) | stats.finished_by_reason
         for reason, count in sorted(reasons.items()):
@@ -93,13 +113,9 @@ class EngineMetrics:
             metric = Histogram(name, doc, names, buckets=LATENCY_BUCKETS, registry=self.registry)
             return metric.labels(**self.labels)
 
-        self.ttft = histogram(
-            "flotilla_time_to_first_token_seconds", "Arrival to first generated token, in seconds."
-        )
-        self.itl = histogram(
-            "flotilla_inter_token_latency_seconds", "Gap between consecutive tokens of a request, in seconds."
-        )
-        self.e2e = histogram("flotilla_e2e_request_latency_seconds", "Arrival to last token, in seconds.")
+        self.ttft = histogram(TIME_TO_FIRST_TOKEN, "Arrival to first generated token, in seconds.")
+        self.itl = histogram(INTER_TOKEN_LATENCY, "Gap between consecutive tokens of a request, in seconds.")
+        self.e2e = histogram(E2E_REQUEST_LATENCY, "Arrival to last token, in seconds.")
         self.registry.register(_StatsCollector(stats, self.labels))
 
 

@@ -15,14 +15,27 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from flotilla.contract import (
+    GENERATION_TOKENS,
+    KV_CACHE_USAGE_RATIO,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS,
+    TIME_TO_FIRST_TOKEN,
+    counter_total,
+    engine_metrics_url,
+)
 from flotilla.operator.autoscaling.histogram_window import Buckets, WindowedHistogram
 from flotilla.operator.autoscaling.signals import Signals
-from flotilla.operator.config import ENGINE_PORT
 
-TTFT = "flotilla_time_to_first_token_seconds"
-WAITING = "flotilla_num_requests_waiting"
-RUNNING = "flotilla_num_requests_running"
-KV_USAGE = "flotilla_kv_cache_usage_ratio"
+TTFT, WAITING, RUNNING, KV_USAGE = (
+    TIME_TO_FIRST_TOKEN,
+    NUM_REQUESTS_WAITING,
+    NUM_REQUESTS_RUNNING,
+    KV_CACHE_USAGE_RATIO,
+)
+PROMPT, GENERATION = counter_total(PROMPT_TOKENS), counter_total(GENERATION_TOKENS)
+SUMMED = (WAITING, RUNNING, PROMPT, GENERATION)
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class EngineSample:
     running: float
     kv_usage: float | None
     ttft_buckets: Buckets  # cumulative, as exported
+    prompt_tokens: float | None = None  # lifetime counters; None when the engine exports none
+    generation_tokens: float | None = None
 
 
 class ScrapeError(Exception):
@@ -38,14 +53,15 @@ class ScrapeError(Exception):
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
-    """Sums over label sets (one engine serves one model, but a sum is right for several too)."""
+    """The one parser of an engine's /metrics (autoscaling signals and token metering both read it).
+    Sums over label sets (one engine serves one model, but a sum is right for several too)."""
     gauges: dict[str, float] = {}
     kv: list[float] = []
     buckets: dict[float, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in (WAITING, RUNNING):
+                if sample.name in SUMMED:
                     gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
                 elif sample.name == KV_USAGE:
                     kv.append(sample.value)
@@ -63,12 +79,14 @@ def parse_engine_metrics(text: str) -> EngineSample:
         running=gauges.get(RUNNING, 0.0),
         kv_usage=max(kv) if kv else None,
         ttft_buckets=tuple(sorted(buckets.items())),
+        prompt_tokens=gauges.get(PROMPT),
+        generation_tokens=gauges.get(GENERATION),
     )
 
 
 def metrics_url(pod_ip: str) -> str:
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
-    return f"http://{host}:{ENGINE_PORT}/metrics"
+    return engine_metrics_url(host)
 
 
 async def scrape(client, pod_ip: str) -> EngineSample:

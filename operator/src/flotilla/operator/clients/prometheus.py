@@ -12,20 +12,26 @@ from __future__ import annotations
 import asyncio
 import math
 
+from flotilla.contract import (
+    KV_CACHE_USAGE_RATIO,
+    LABEL_SERVICE,
+    NUM_REQUESTS_WAITING,
+    TIME_TO_FIRST_TOKEN,
+)
 from flotilla.operator.autoscaling.signals import Signals
 
 WAITING, TTFT_P95, KV = "waiting", "ttft_p95", "kv"
 
 
 def queries(namespace: str, service: str, window_seconds: int) -> dict[str, str]:
-    sel = f'namespace="{namespace}",service="{service}"'
+    sel = f'namespace="{namespace}",{LABEL_SERVICE}="{service}"'
     return {
-        WAITING: f"sum by (pod) (flotilla_num_requests_waiting{{{sel}}})",
+        WAITING: f"sum by (pod) ({NUM_REQUESTS_WAITING}{{{sel}}})",
         TTFT_P95: (
             "histogram_quantile(0.95, sum by (le) "
-            f"(rate(flotilla_time_to_first_token_seconds_bucket{{{sel}}}[{window_seconds}s])))"
+            f"(rate({TIME_TO_FIRST_TOKEN}_bucket{{{sel}}}[{window_seconds}s])))"
         ),
-        KV: f"max(flotilla_kv_cache_usage_ratio{{{sel}}})",
+        KV: f"max({KV_CACHE_USAGE_RATIO}{{{sel}}})",
     }
 
 
@@ -52,9 +58,7 @@ def _single(pairs: list[tuple[dict, float]]) -> float | None:
 
 def signals_from(answers: dict[str, list[tuple[dict, float]]], ready_pods: set[str]) -> Signals:
     waiting = {labels["pod"]: value for labels, value in answers[WAITING] if labels.get("pod") in ready_pods}
-    missing = {
-        pod: "no flotilla_num_requests_waiting series in Prometheus" for pod in ready_pods - set(waiting)
-    }
+    missing = {pod: f"no {NUM_REQUESTS_WAITING} series in Prometheus" for pod in ready_pods - set(waiting)}
     return Signals(
         waiting=waiting, ttft_p95=_single(answers[TTFT_P95]), kv_usage=_single(answers[KV]), errors=missing
     )

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.operator.api.v1alpha1 import TokenCount
-from flotilla.operator.config import ENGINE_PORT
+from flotilla.operator.clients.engine_metrics import ScrapeError, metrics_url, parse_engine_metrics
 from flotilla.operator.naming import SERVICE_LABEL
-
-PROMPT, GENERATION = "flotilla_prompt_tokens_total", "flotilla_generation_tokens_total"
 
 
 def parse_tokens(text: str) -> TokenCount | None:
-    """The counters summed over label sets; None when the engine exports neither."""
-    found, counts = False, {PROMPT: 0.0, GENERATION: 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in counts:
-                counts[sample.name] += sample.value
-                found = True
-    return TokenCount(input=int(counts[PROMPT]), output=int(counts[GENERATION])) if found else None
+    """The token counters of one engine's /metrics; None when the engine exports neither."""
+    sample = parse_engine_metrics(text)
+    if sample.prompt_tokens is None and sample.generation_tokens is None:
+        return None
+    return TokenCount(input=int(sample.prompt_tokens or 0), output=int(sample.generation_tokens or 0))
 
 
 def read_token_counters(pods: list[dict], timeout: float = 1.0) -> dict[str, TokenCount]:
@@ -35,10 +29,10 @@ def read_token_counters(pods: list[dict], timeout: float = 1.0) -> dict[str, Tok
             if not (ready and status.get("podIP") and SERVICE_LABEL in (meta.get("labels") or {})):
                 continue
             try:
-                rsp = http.get(f"http://{status['podIP']}:{ENGINE_PORT}/metrics")
+                rsp = http.get(metrics_url(status["podIP"]))
                 rsp.raise_for_status()
                 counts = parse_tokens(rsp.text)
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, ScrapeError):
                 continue
             if counts is not None:
                 out[meta["uid"]] = counts

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from flotilla.contract import METRICS_PATH
+
 NAMESPACE = "bench"
 
 
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                 break
             print(f"bench: {ready}/{args.services} Ready after {elapsed:.0f} s", flush=True)
             time.sleep(2)
-        metrics = operator.get("/metrics")[1]
+        metrics = operator.get(METRICS_PATH)[1]
         calls = _metric_sum(metrics, "flotilla_operator_api_calls_total")
         reconciles = _metric_sum(metrics, "flotilla_reconciles_total")
         errors = _metric_sum(metrics, "flotilla_reconcile_errors_total")

@@ -6,9 +6,10 @@ import posixpath
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from flotilla.contract import model_fetch_argv
 from flotilla.operator.config import OperatorConfig
 
-SCHEMES = ("file", "pvc", "hf")
+SCHEMES = ("file", "pvc", "hf", "http", "https")
 MOUNT_ROOT = "/mnt/models"
 
 
@@ -19,7 +20,7 @@ class ModelUriError(ValueError):
 @dataclass(frozen=True)
 class ModelUri:
     scheme: str
-    location: str  # file: absolute path; pvc: claim name; hf: org/name
+    location: str  # file: absolute path; pvc: claim name; hf: org/name[@revision]; http(s): the whole uri
     sub_path: str = ""  # pvc only: the model folder inside the claim
 
 
@@ -29,7 +30,8 @@ def parse_model_uri(uri: str) -> ModelUri:
     if scheme not in SCHEMES:
         shown = f"'{parts.scheme}'" if parts.scheme else "no scheme"
         raise ModelUriError(
-            f"unsupported uri scheme {shown} in {uri!r}; use file:///path, pvc://claim/path or hf://org/name"
+            f"unsupported uri scheme {shown} in {uri!r}; use file:///path, pvc://claim/path, hf://org/name "
+            "or https://host/model.tar.gz"
         )
     if scheme == "file":
         if parts.netloc:
@@ -43,6 +45,10 @@ def parse_model_uri(uri: str) -> ModelUri:
         if not parts.netloc or not sub_path:
             raise ModelUriError(f"{uri!r}: a pvc uri needs a claim and a path, like pvc://models/llama-3-8b")
         return ModelUri("pvc", parts.netloc, sub_path)
+    if scheme in ("http", "https"):
+        if not parts.netloc or not parts.path.endswith((".tar.gz", ".tgz", ".tar")):
+            raise ModelUriError(f"{uri!r}: an http(s) uri names a .tar.gz, .tgz or .tar of a model folder")
+        return ModelUri(scheme, uri)
     name = f"{parts.netloc}{parts.path}".strip("/")
     if name.count("/") != 1 or not all(name.split("/")):
         raise ModelUriError(f"{uri!r}: an hf uri names one repository, like hf://org/name")
@@ -70,10 +76,17 @@ def model_mount(model: ModelUri, config: OperatorConfig, image: str) -> ModelMou
             ],
             mounts=[{"name": "model", "mountPath": mount_path, "readOnly": True}],
         )
-    if config.hf_cache_dir:
+    if model.scheme == "hf" and config.hf_cache_dir:
         return _host_path(posixpath.join(config.hf_cache_dir, model.location))
-    # A real cluster: an init container fetches the repository into a pod-local volume.
-    path = f"{MOUNT_ROOT}/hf/{model.location}"
+    return _fetched(model, image)
+
+
+def _fetched(model: ModelUri, image: str) -> ModelMount:
+    """An init container fetches the model into a pod-local volume (hf:// on a real cluster, http(s)://)."""
+    if model.scheme == "hf":
+        uri, path = f"hf://{model.location}", f"{MOUNT_ROOT}/hf/{model.location}"
+    else:
+        uri, path = model.location, f"{MOUNT_ROOT}/download/model"
     return ModelMount(
         path=path,
         volumes=[{"name": "model", "emptyDir": {}}],
@@ -82,7 +95,7 @@ def model_mount(model: ModelUri, config: OperatorConfig, image: str) -> ModelMou
             {
                 "name": "fetch-model",
                 "image": image,
-                "command": ["flotilla", "model", "fetch", f"hf://{model.location}", "--dest", path],
+                "command": model_fetch_argv(uri, path),
                 "volumeMounts": [{"name": "model", "mountPath": MOUNT_ROOT}],
             }
         ],

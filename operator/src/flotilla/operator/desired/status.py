@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flotilla.contract import engine_base_url
 from flotilla.operator.api.v1alpha1 import Condition, InferenceServiceStatus
-from flotilla.operator.config import ENGINE_PORT
-from flotilla.operator.desired.validation import Problem
+from flotilla.operator.desired.validation import Problem, describe
 from flotilla.operator.tenancy.quota import QuotaDecision
 
 READY, VALID, QUOTA_ADMITTED, PROGRESSING, DEGRADED = (
@@ -129,7 +129,7 @@ def conditions_for(o: Observed) -> list[Condition]:
     if valid:
         valid_c = _cond(VALID, True, "SpecValid", "the spec is valid")
     else:
-        valid_c = _cond(VALID, False, o.problems[0].reason, "; ".join(str(p) for p in o.problems))
+        valid_c = _cond(VALID, False, o.problems[0].reason, describe(o.problems))
 
     if o.quota is None:
         quota_c = _cond(QUOTA_ADMITTED, None, "NotEvaluated", "quota is checked once the spec is valid")
@@ -220,7 +220,7 @@ def compute_status(o: Observed, previous_conditions: list[dict], now: str) -> di
     """The full status subresource as a wire dict."""
     conditions = merge_transition_times(conditions_for(o), previous_conditions, now, o.generation)
     live = [p for p in o.pods if not p.deleting]
-    endpoints = sorted(f"http://{p.ip}:{ENGINE_PORT}/v1" for p in live if p.ready and p.ip)
+    endpoints = sorted(engine_base_url(p.ip) for p in live if p.ready and p.ip)
     status = InferenceServiceStatus(
         observed_generation=o.generation,
         conditions=conditions,

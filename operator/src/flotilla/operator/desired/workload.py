@@ -8,8 +8,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from flotilla.contract import (
+    ENGINE_PORT,
+    ENV_NAMESPACE,
+    ENV_POD_IP,
+    ENV_SERVICE,
+    ENV_TENANT,
+    HEALTH_PATH,
+    METRICS_PATH,
+    EngineArgs,
+    engine_base_url,
+    engine_serve_argv,
+)
 from flotilla.operator.api.v1alpha1 import API_VERSION, INFERENCE_SERVICE, EngineConfig, InferenceServiceSpec
-from flotilla.operator.config import ENGINE_PORT, ENGINE_SHUTDOWN_DELAY, OperatorConfig
+from flotilla.operator.config import ENGINE_SHUTDOWN_DELAY, OperatorConfig
 from flotilla.operator.desired.model_source import model_mount, parse_model_uri
 from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, child_labels, selector_labels
 
@@ -53,22 +65,22 @@ def target_replicas(spec: InferenceServiceSpec) -> int:
     return max(spec.autoscaling.min_replicas, min(spec.replicas, spec.autoscaling.max_replicas))
 
 
+def engine_args(engine: EngineConfig) -> EngineArgs:
+    """The spec's engine settings as the contract's EngineArgs (unset ones keep the engine's defaults)."""
+    return EngineArgs(
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        block_size=engine.block_size,
+        kv_cache_bytes=None if engine.kv_cache_memory is None else quantity_bytes(engine.kv_cache_memory),
+        prefix_caching=engine.prefix_caching,
+        dtype=engine.dtype,
+        extra_args=tuple(engine.extra_args),
+    )
+
+
 def engine_flags(engine: EngineConfig) -> list[str]:
-    """`flotilla engine serve` flags for the engine settings in the spec (unset ones keep engine defaults)."""
-    flags: list[str] = []
-    if engine.max_num_seqs is not None:
-        flags += ["--max-num-seqs", str(engine.max_num_seqs)]
-    if engine.max_num_batched_tokens is not None:
-        flags += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
-    if engine.block_size is not None:
-        flags += ["--block-size", str(engine.block_size)]
-    if engine.kv_cache_memory is not None:
-        flags += ["--kv-cache-memory", str(quantity_bytes(engine.kv_cache_memory))]
-    if engine.prefix_caching is False:  # on by default in the engine
-        flags.append("--no-prefix-caching")
-    if engine.dtype is not None:
-        flags += ["--dtype", engine.dtype]
-    return flags + list(engine.extra_args)
+    """`flotilla engine serve` flags for the engine settings in the spec."""
+    return engine_args(engine).flags()
 
 
 _QUANTITY_SUFFIXES = {
@@ -91,23 +103,13 @@ def quantity_bytes(quantity: str | int) -> int:
 def engine_command(
     owner: Owner, spec: InferenceServiceSpec, model_path: str, drain_seconds: int | None = None
 ) -> list[str]:
-    # $(POD_IP) is expanded by the kubelet (and the local node agent) from the env var below.
-    return [
-        "flotilla",
-        "engine",
-        "serve",
-        "--model",
-        model_path,
-        "--host",
-        "$(POD_IP)",
-        "--port",
-        str(ENGINE_PORT),
-        "--served-model-name",
-        served_name(owner, spec),
-        *(["--shutdown-delay", str(ENGINE_SHUTDOWN_DELAY)] if drain_seconds else []),
-        *(["--drain-timeout", str(drain_seconds)] if drain_seconds else []),
-        *engine_flags(spec.engine),
-    ]
+    return engine_serve_argv(
+        model_path=model_path,
+        served_name=served_name(owner, spec),
+        shutdown_delay=ENGINE_SHUTDOWN_DELAY if drain_seconds else None,
+        drain_timeout=drain_seconds or None,
+        engine=engine_args(spec.engine),
+    )
 
 
 def _resources(spec: InferenceServiceSpec) -> dict:
@@ -140,10 +142,10 @@ def _probe(path: str, period: int, failures: int) -> dict:
 
 def _env(owner: Owner, tenant: str) -> list[dict]:
     return [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "FLOTILLA_TENANT", "value": tenant},
-        {"name": "FLOTILLA_SERVICE", "value": owner.name},
-        {"name": "FLOTILLA_NAMESPACE", "value": owner.namespace},
+        {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": ENV_TENANT, "value": tenant},
+        {"name": ENV_SERVICE, "value": owner.name},
+        {"name": ENV_NAMESPACE, "value": owner.namespace},
         # A writable HOME under the read-only root filesystem.
         {"name": "HOME", "value": "/tmp"},
     ]
@@ -165,10 +167,10 @@ def pod_template(
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(owner, decision.tenant),
         "resources": _resources(spec),
-        "readinessProbe": _probe("/health", period=5, failures=3),
-        "livenessProbe": _probe("/health", period=10, failures=3),
+        "readinessProbe": _probe(HEALTH_PATH, period=5, failures=3),
+        "livenessProbe": _probe(HEALTH_PATH, period=10, failures=3),
         "startupProbe": _probe(
-            "/health", period=config.startup_probe_period_seconds, failures=config.startup_probe_failures
+            HEALTH_PATH, period=config.startup_probe_period_seconds, failures=config.startup_probe_failures
         ),
         "securityContext": {
             "runAsNonRoot": True,
@@ -207,7 +209,7 @@ def pod_template(
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(ENGINE_PORT),
-                "prometheus.io/path": "/metrics",
+                "prometheus.io/path": METRICS_PATH,
             },
         },
         "spec": pod_spec,
@@ -276,4 +278,4 @@ def children(
 
 
 def service_url(owner: Owner) -> str:
-    return f"http://{owner.name}.{owner.namespace}.svc:{ENGINE_PORT}/v1"
+    return engine_base_url(f"{owner.name}.{owner.namespace}.svc")

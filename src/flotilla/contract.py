@@ -1,0 +1,140 @@
+"""The contract between the engine and the operator: everything one half relies on the other to say.
+
+Both halves import this module and never each other. It holds the engine's port and paths, its metric
+and label names, the environment variables the operator sets on engine pods, and the functions that build
+the commands the operator runs in a pod (`flotilla engine serve ...`, `flotilla model fetch ...`).
+tests/test_contract.py parses every command the operator can build with the engine's own CLI parser, so a
+renamed flag or a missing subcommand fails a test instead of a pod. Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# -- where the engine listens -------------------------------------------------------------------------
+ENGINE_PORT = 8000
+HEALTH_PATH = "/health"  # 200 when serving, 503 while loading or draining
+METRICS_PATH = "/metrics"  # Prometheus text format; the operator serves its own metrics on it too
+OPENAI_PATH = "/v1"  # the OpenAI-compatible API's base path
+
+
+def engine_base_url(host: str, port: int = ENGINE_PORT) -> str:
+    """The OpenAI base URL of an engine at `host` (what clients and `status.endpoints` use)."""
+    return f"http://{host}:{port}{OPENAI_PATH}"
+
+
+def engine_metrics_url(host: str, port: int = ENGINE_PORT) -> str:
+    return f"http://{host}:{port}{METRICS_PATH}"
+
+
+# -- environment variables the operator sets on engine pods ------------------------------------------------
+ENV_POD_IP = "POD_IP"  # the downward API's status.podIP; the engine listens on it
+ENV_TENANT = "FLOTILLA_TENANT"  # the Tenant that owns the pod's namespace ("" when none does)
+ENV_SERVICE = "FLOTILLA_SERVICE"  # the InferenceService's name
+ENV_NAMESPACE = "FLOTILLA_NAMESPACE"
+ENV_API_KEY = "FLOTILLA_API_KEY"  # when set, the engine requires 'Authorization: Bearer <key>'
+
+# -- the engine's metrics (Prometheus names; histograms in seconds) ----------------------------------------
+# Counters are named without `_total`: prometheus_client appends it in the exposition, so a scraper reads
+# `counter_total(NAME)`.
+LABEL_MODEL = "model"
+LABEL_TENANT = "tenant"
+LABEL_SERVICE = "service"
+LABEL_FINISH_REASON = "finish_reason"
+ENGINE_LABELS = (LABEL_MODEL, LABEL_TENANT, LABEL_SERVICE)
+
+TIME_TO_FIRST_TOKEN = "flotilla_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "flotilla_inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "flotilla_e2e_request_latency_seconds"
+NUM_REQUESTS_RUNNING = "flotilla_num_requests_running"
+NUM_REQUESTS_WAITING = "flotilla_num_requests_waiting"
+KV_CACHE_USAGE_RATIO = "flotilla_kv_cache_usage_ratio"
+PREFIX_CACHE_QUERIES = "flotilla_prefix_cache_queries"
+PREFIX_CACHE_HITS = "flotilla_prefix_cache_hits"
+PROMPT_TOKENS = "flotilla_prompt_tokens"
+GENERATION_TOKENS = "flotilla_generation_tokens"
+NUM_PREEMPTIONS = "flotilla_num_preemptions"
+REQUEST_SUCCESS = "flotilla_request_success"
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def counter_total(name: str) -> str:
+    """The exposed sample name of a counter."""
+    return f"{name}_total"
+
+
+# -- the commands the operator runs in engine pods -----------------------------------------------------------
+CLI = "flotilla"
+ENGINE_SERVE = (CLI, "engine", "serve")
+MODEL_FETCH = (CLI, "model", "fetch")
+
+# `flotilla engine serve` flags the operator sets; the engine's parser declares them from these names.
+FLAG_MODEL = "--model"
+FLAG_HOST = "--host"
+FLAG_PORT = "--port"
+FLAG_SERVED_MODEL_NAME = "--served-model-name"
+FLAG_SHUTDOWN_DELAY = "--shutdown-delay"
+FLAG_DRAIN_TIMEOUT = "--drain-timeout"
+FLAG_MAX_NUM_SEQS = "--max-num-seqs"
+FLAG_MAX_NUM_BATCHED_TOKENS = "--max-num-batched-tokens"
+FLAG_BLOCK_SIZE = "--block-size"
+FLAG_KV_CACHE_MEMORY = "--kv-cache-memory"
+FLAG_NO_PREFIX_CACHING = "--no-prefix-caching"
+FLAG_DTYPE = "--dtype"
+FLAG_FETCH_DEST = "--dest"
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """An InferenceService's engine settings, as the engine's flags see them. None keeps the engine's
+    default; `extra_args` are appended verbatim (spec.engine.extraArgs)."""
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    kv_cache_bytes: int | None = None
+    prefix_caching: bool | None = None  # on in the engine unless False
+    dtype: str | None = None
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def flags(self) -> list[str]:
+        valued = (
+            (FLAG_MAX_NUM_SEQS, self.max_num_seqs),
+            (FLAG_MAX_NUM_BATCHED_TOKENS, self.max_num_batched_tokens),
+            (FLAG_BLOCK_SIZE, self.block_size),
+            (FLAG_KV_CACHE_MEMORY, self.kv_cache_bytes),
+            (FLAG_DTYPE, self.dtype),
+        )
+        flags = [part for flag, value in valued if value is not None for part in (flag, str(value))]
+        if self.prefix_caching is False:
+            flags.append(FLAG_NO_PREFIX_CACHING)
+        return flags + list(self.extra_args)
+
+
+def engine_serve_argv(
+    *,
+    model_path: str,
+    served_name: str,
+    host: str = f"$({ENV_POD_IP})",  # expanded by the kubelet (and the local node agent)
+    port: int = ENGINE_PORT,
+    shutdown_delay: float | None = None,
+    drain_timeout: float | None = None,
+    engine: EngineArgs = EngineArgs(),
+) -> list[str]:
+    """The engine container's command."""
+    argv = [*ENGINE_SERVE, FLAG_MODEL, model_path, FLAG_HOST, host, FLAG_PORT, str(port)]
+    argv += [FLAG_SERVED_MODEL_NAME, served_name]
+    if shutdown_delay is not None:
+        argv += [FLAG_SHUTDOWN_DELAY, _seconds(shutdown_delay)]
+    if drain_timeout is not None:
+        argv += [FLAG_DRAIN_TIMEOUT, _seconds(drain_timeout)]
+    return argv + engine.flags()
+
+
+def model_fetch_argv(uri: str, dest: str) -> list[str]:
+    """The init container's command that fetches a model folder (hf://org/name[@rev], http(s)://...tar.gz)."""
+    return [*MODEL_FETCH, uri, FLAG_FETCH_DEST, dest]
+
+
+def _seconds(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)

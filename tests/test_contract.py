@@ -1,0 +1,127 @@
+"""The engine<->operator contract holds: every command the operator can put in a pod parses with the
+engine's own CLI parser, to the values the spec asked for, and both halves take names from one module."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from flotilla import contract
+from flotilla.cli import build_parser
+from flotilla.operator.api.v1alpha1 import InferenceServiceSpec
+from flotilla.operator.config import OperatorConfig
+from flotilla.operator.desired.workload import Decision, Owner, deployment, quantity_bytes
+
+MODEL_URIS = [
+    "file:///models/tiny-llama",
+    "pvc://models/llama/8b",
+    "hf://org/name",
+    "hf://org/name@v1.0",
+    "https://models.example/tiny-llama.tar.gz",
+    "http://models.example/tiny-llama.tar",
+]
+ENGINE_SETTINGS = [
+    {},
+    {"maxNumSeqs": 8},
+    {"maxNumBatchedTokens": 512, "blockSize": 32},
+    {"kvCacheMemory": "2Gi"},
+    {"prefixCaching": False},
+    {"prefixCaching": True},
+    {"dtype": "bfloat16"},
+    {
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 4096,
+        "blockSize": 8,
+        "kvCacheMemory": "512Mi",
+        "prefixCaching": False,
+        "dtype": "float32",
+        "extraArgs": ["--seed", "7", "--max-queue", "16"],
+    },
+]
+CONFIGS = [OperatorConfig(check_local_model_paths=False), OperatorConfig(hf_cache_dir="/var/cache/hf")]
+
+
+def _pods():
+    owner = Owner(name="chat", namespace="team-a", uid="uid-1")
+    for uri, engine, config in itertools.product(MODEL_URIS, ENGINE_SETTINGS, CONFIGS):
+        spec = InferenceServiceSpec.model_validate(
+            {"model": {"uri": uri}, "resources": {"gpus": 1}, "replicas": 1, "engine": engine}
+        )
+        dep = deployment(owner, spec, Decision(tenant="team-a", replicas=1), config)
+        yield pytest.param(
+            spec, dep["spec"]["template"]["spec"], id=f"{uri}|{sorted(engine)}|{config.hf_cache_dir}"
+        )
+
+
+@pytest.mark.parametrize(("spec", "pod"), list(_pods()))
+def test_every_engine_command_parses_with_the_engines_cli(spec: InferenceServiceSpec, pod: dict) -> None:
+    (container,) = pod["containers"]
+    command = container["command"]
+    assert command[:3] == list(contract.ENGINE_SERVE)
+    args = build_parser().parse_args(command[1:])  # argparse exits (fails the test) on any unknown flag
+    assert args.group == "engine" and args.command == "serve"
+    engine = spec.engine
+    assert args.port == contract.ENGINE_PORT
+    assert args.host == f"$({contract.ENV_POD_IP})"
+    assert args.served_model_name == "chat"
+    if engine.max_num_seqs is not None:
+        assert args.max_num_seqs == engine.max_num_seqs
+    if engine.max_num_batched_tokens is not None:
+        assert args.max_num_batched_tokens == engine.max_num_batched_tokens
+    if engine.block_size is not None:
+        assert args.block_size == engine.block_size
+    if engine.kv_cache_memory is not None:
+        assert args.kv_cache_memory == quantity_bytes(engine.kv_cache_memory)
+    assert args.no_prefix_caching is (engine.prefix_caching is False)
+    if engine.dtype is not None:
+        assert args.dtype == engine.dtype
+    if "--seed" in engine.extra_args:
+        assert args.seed == 7 and args.max_queue == 16
+    # The model path the engine reads is the one the volumes put there.
+    mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    assert any(args.model == p or args.model.startswith(p.rstrip("/") + "/") for p in mounted)
+
+
+@pytest.mark.parametrize(("spec", "pod"), list(_pods()))
+def test_every_init_container_command_parses_with_the_engines_cli(
+    spec: InferenceServiceSpec, pod: dict
+) -> None:
+    (container,) = pod["containers"]
+    for init in pod.get("initContainers", []):
+        command = init["command"]
+        assert command[:3] == list(contract.MODEL_FETCH)
+        args = build_parser().parse_args(command[1:])
+        assert args.group == "model" and args.command == "fetch"
+        # It fetches what the spec names, into the folder the engine is then started on.
+        assert args.uri.startswith(spec.model.uri.split("://")[0] + "://")
+        assert spec.model.uri.endswith(args.uri.split("://")[1])
+        engine_args = build_parser().parse_args(container["command"][1:])
+        assert Path(args.dest) == Path(engine_args.model)
+
+
+def test_schemes_that_need_a_download_get_an_init_container() -> None:
+    pods = {p.id: p.values[1] for p in _pods()}
+    fetched = {pid.split("|")[0] for pid, pod in pods.items() if pod.get("initContainers")}
+    assert fetched == {
+        "hf://org/name",
+        "hf://org/name@v1.0",
+        "https://models.example/tiny-llama.tar.gz",
+        "http://models.example/tiny-llama.tar",
+    }
+
+
+def test_the_engine_exports_every_metric_the_operator_reads() -> None:
+    from prometheus_client import generate_latest
+
+    from flotilla.engine.core.outputs import EngineStats
+    from flotilla.engine.server.metrics import EngineMetrics
+    from flotilla.operator.clients.engine_metrics import parse_engine_metrics
+
+    metrics = EngineMetrics("tiny", lambda: EngineStats(num_waiting=3, prompt_tokens=11, generation_tokens=5))
+    metrics.ttft.observe(0.02)
+    sample = parse_engine_metrics(generate_latest(metrics.registry).decode())
+    assert sample.waiting == 3
+    assert (sample.prompt_tokens, sample.generation_tokens) == (11, 5)
+    assert sample.ttft_buckets[-1] == (float("inf"), 1.0)

@@ -1,0 +1,133 @@
+"""The layout's promises: a file's path is its import path, the operator needs no torch, the contract is
+stdlib-only and is the one place its names are spelled, and installed code never looks for the checkout."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from flotilla import contract
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOTS = [ROOT / "src", ROOT / "engine" / "src", ROOT / "operator" / "src"]
+HEAVY = ("torch", "triton", "transformers")
+
+
+def _modules() -> list[tuple[str, Path]]:
+    found = []
+    for root in SOURCE_ROOTS:
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found.append((name, path))
+    return found
+
+
+def test_every_file_imports_under_the_name_its_path_says() -> None:
+    wrong = []
+    for name, path in _modules():
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or Path(spec.origin).resolve() != path.resolve():
+            wrong.append(f"{path.relative_to(ROOT)} -> {name}: {spec and spec.origin}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_flotilla_is_a_namespace_package_shared_by_three_distributions() -> None:
+    assert not any((root / "flotilla" / "__init__.py").exists() for root in SOURCE_ROOTS)
+    names = {
+        tomllib.loads((d / "pyproject.toml").read_text())["project"]["name"]
+        for d in (ROOT, ROOT / "engine", ROOT / "operator")
+    }
+    assert names == {"flotilla", "flotilla-engine", "flotilla-operator"}
+
+
+@pytest.mark.parametrize("project", [".", "operator"])
+def test_the_operator_declares_no_torch_triton_or_transformers(project: str) -> None:
+    meta = tomllib.loads((ROOT / project / "pyproject.toml").read_text())["project"]
+    declared = " ".join(meta["dependencies"]).lower()
+    assert not [name for name in HEAVY if name in declared]
+
+
+def test_the_operator_and_the_cli_import_where_torch_cannot() -> None:
+    """Every operator, cluster and CLI module imports in a process where torch, triton and transformers
+    raise ImportError, as in the operator's image."""
+    names = [n for n, _ in _modules() if not n.startswith("flotilla.engine")]
+    script = f"""
+import importlib, importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {HEAVY!r}:
+            raise ImportError(f"{{name}} is not installed in the operator's image")
+sys.meta_path.insert(0, Block())
+for name in {names!r}:
+    importlib.import_module(name)
+print(len({names!r}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout) == len(names) > 50
+
+
+def test_the_contract_imports_only_the_standard_library() -> None:
+    tree = ast.parse(Path(contract.__file__).read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names)
+
+
+def _contract_strings() -> dict[str, str]:
+    """Every distinctive name the contract spells: metric names, environment variables, flags, paths.
+    (Label names such as `model` are ordinary words and appear in other roles too.)"""
+    distinctive = ("flotilla_", "FLOTILLA_", "--", "/", "POD_IP")
+    values = {}
+    for attr, value in vars(contract).items():
+        if attr.isupper() and isinstance(value, str) and value.startswith(distinctive):
+            values[value] = attr
+            if attr.endswith(("_TOKENS", "_QUERIES", "_HITS", "_PREEMPTIONS", "_SUCCESS")):
+                values[contract.counter_total(value)] = attr
+    return values
+
+
+# The benchmarks declare flags of their own (other defaults, other meanings), not the contract's.
+NOT_CONTRACT_CODE = ("engine/src/flotilla/engine/bench/", "engine/src/flotilla/engine/cmd/engine.py")
+
+
+def test_engine_and_operator_spell_no_contract_name_themselves() -> None:
+    """Metric names, flags, environment variables and paths come from flotilla.contract, never copied."""
+    spelled = _contract_strings()
+    copies = []
+    for root in SOURCE_ROOTS[1:]:
+        for path in root.rglob("*.py"):
+            if str(path.relative_to(ROOT)).startswith(NOT_CONTRACT_CODE):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in spelled:
+                    copies.append(
+                        f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r} (use contract.{spelled[node.value]})"
+                    )
+    assert not copies, "\n".join(copies)
+
+
+def test_installed_code_never_looks_for_the_checkout() -> None:
+    offenders = []
+    for _, path in _modules():
+        text = path.read_text()
+        for needle in ("PYTHONSAFEPATH", ".parents["):
+            if needle in text:
+                offenders.append(f"{path.relative_to(ROOT)}: {needle}")
+    assert not offenders, "\n".join(offenders)
