@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sysconfig
 import uuid
 
 import pytest
@@ -16,6 +17,13 @@ from flotilla.cluster.paths import default_state_dir
 TEST_POD_IP_BASE = int(os.environ.get("FLOTILLA_TEST_POD_IP_BASE", "7"))
 
 
+def _path_without_scripts_dir() -> str:
+    """PATH as under `.venv/bin/flotilla cluster up` with the virtual environment not activated."""
+    scripts = os.path.normpath(sysconfig.get_path("scripts"))
+    entries = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    return os.pathsep.join(entry for entry in entries if os.path.normpath(entry) != scripts)
+
+
 @pytest.fixture(scope="session")
 def cluster() -> ClusterHandle:
     """A fresh cluster of the tests' own, on free ports and its own pod IPs, purged afterwards: a cluster
@@ -26,7 +34,10 @@ def cluster() -> ClusterHandle:
         state_dir=state_dir, apiserver_port=free_port(), etcd_port=free_port(), pod_ip_base=TEST_POD_IP_BASE
     )
     config.etcd_peer_port = free_port()
-    handle = ClusterHandle(up(config), started_here=True)
+    # The node agent inherits this PATH; its pods must find `flotilla` all the same.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", _path_without_scripts_dir())
+        handle = ClusterHandle(up(config), started_here=True)
     wait_for(
         lambda: handle.kubectl("get", "nodes", "-o", "name", check=False).stdout.count("node/") >= 2,
         60,

@@ -6,6 +6,9 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+from flotilla.cluster.handle import ClusterHandle
 from flotilla.cluster.processes import ProcessTable
 
 
@@ -59,3 +62,11 @@ def test_bad_node_count_is_refused(tmp_path):
     result = _flotilla("cluster", "up", "--no-build", "--nodes", "0", "--state-dir", str(tmp_path / "s"))
     assert result.returncode == 1
     assert "--nodes must be at least 1, got 0" in result.stderr
+
+
+@pytest.mark.cluster
+def test_status_of_a_running_cluster_exits_0(cluster: ClusterHandle):
+    result = _flotilla("cluster", "status", "--state-dir", str(cluster.config.state_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stopped" not in result.stdout
+    assert f"export KUBECONFIG={cluster.kubeconfig}" in result.stdout

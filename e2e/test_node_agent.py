@@ -156,3 +156,31 @@ def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(
         return False
 
     wait_for(gone, 10, f"process {pid} to be killed")
+
+
+def test_pods_find_flotilla_although_the_agent_path_lacks_the_venv(cluster: ClusterHandle, namespace: str):
+    # conftest starts the cluster with the virtual environment's bin folder taken off PATH.
+    cluster.apply(
+        textwrap.dedent("""
+        apiVersion: v1
+        kind: Pod
+        metadata: {name: flotilla-help}
+        spec:
+          restartPolicy: Never
+          containers:
+          - {name: main, image: none, command: ["flotilla", "--help"]}
+        """),
+        namespace,
+    )
+
+    def finished() -> dict:
+        status = _status(cluster, namespace, "flotilla-help")
+        # A command the agent cannot start keeps the pod Pending; the failure then shows the reason.
+        states = [container.get("state") for container in status.get("containerStatuses") or []]
+        assert status.get("phase") in ("Succeeded", "Failed"), f"{status.get('phase')}: {states}"
+        return status
+
+    status = wait_for(finished, 60, "the pod to finish")
+    assert status["phase"] == "Succeeded", (
+        _container_log(cluster, namespace, "flotilla-help", "main") or status
+    )

@@ -1,6 +1,8 @@
+import os
+
 import pytest
 
-from flotilla.cluster.pod_env import EnvError, container_argv, container_env, expand
+from flotilla.cluster.pod_env import EnvError, base_env, container_argv, container_env, expand, pod_path
 
 POD = {
     "metadata": {"name": "web-1", "namespace": "team-a", "uid": "u-1", "labels": {"app": "web"}},
@@ -87,3 +89,25 @@ def test_argv_expands_and_requires_a_command():
     assert container_argv(container, {"POD_IP": "127.1.0.9"}) == ["serve", "--host", "127.1.0.9"]
     with pytest.raises(EnvError, match="images are never pulled"):
         container_argv({"name": "c", "image": "nginx"}, {})
+
+
+SCRIPTS = "/opt/venv/bin"
+
+
+def test_pod_path_puts_the_scripts_dir_first():
+    assert pod_path("/usr/bin:/bin", SCRIPTS) == "/opt/venv/bin:/usr/bin:/bin"
+
+
+def test_pod_path_does_not_duplicate_the_scripts_dir():
+    assert pod_path("/usr/bin:/opt/venv/bin/:/bin", SCRIPTS) == "/opt/venv/bin:/usr/bin:/bin"
+    assert pod_path("/opt/venv/bin:/usr/bin", SCRIPTS) == "/opt/venv/bin:/usr/bin"
+
+
+def test_pod_path_without_an_inherited_path_keeps_the_system_default():
+    assert pod_path(None, SCRIPTS) == os.pathsep.join([SCRIPTS, *filter(None, os.defpath.split(":"))])
+    assert pod_path("", SCRIPTS) == SCRIPTS  # an empty entry would mean the pod's working folder
+
+
+def test_base_env_keeps_only_the_passed_on_keys_and_fixes_path():
+    environ = {"PATH": "/usr/bin", "HOME": "/root", "SECRET_TOKEN": "x"}
+    assert base_env(environ, SCRIPTS) == {"PATH": "/opt/venv/bin:/usr/bin", "HOME": "/root"}

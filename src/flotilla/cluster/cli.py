@@ -108,6 +108,23 @@ def cmd_down(args) -> int:
     return 0
 
 
+# `systemctl status` codes, so a script can tell a working cluster from one that needs `up`.
+STATUS_RUNNING = 0
+STATUS_NOT_RUNNING = 3
+STATUS_DESCRIPTION = (
+    "Print the components, nodes and the KUBECONFIG line. Exits 0 when every component is running and 3 "
+    "otherwise: no cluster, all stopped, or only some running (a partial cluster cannot run pods; "
+    "`flotilla cluster up` starts just the missing components)."
+)
+
+
+def status_exit_code(components: dict[str, dict]) -> int:
+    """A partial cluster counts as not running, like a systemd unit that is not fully active."""
+    if components and all(component["running"] for component in components.values()):
+        return STATUS_RUNNING
+    return STATUS_NOT_RUNNING
+
+
 def _print_status(state_dir: Path) -> int:
     from flotilla.cluster.control_plane import ClusterConfig, status
 
@@ -118,7 +135,7 @@ def _print_status(state_dir: Path) -> int:
     cfg = ClusterConfig.load(state_dir)
     if cfg is None:
         print(f"no cluster in {state_dir}; start one with `flotilla cluster up`")
-        return 1
+        return STATUS_NOT_RUNNING
     if info["components"]["kube-apiserver"]["running"]:
         result = _kubectl(
             cfg,
@@ -138,7 +155,7 @@ def _print_status(state_dir: Path) -> int:
 
     where = "" if state_dir == default_state_dir() else f" --state-dir {state_dir}"
     print(f"stop it with: flotilla cluster down{where}   (add --purge to wipe its state)")
-    return 0
+    return status_exit_code(info["components"])
 
 
 def cmd_status(args) -> int:
@@ -185,6 +202,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     down.add_argument("--purge", action="store_true", help="also delete the cluster's state folder")
     down.set_defaults(func=cmd_down)
 
-    status = commands.add_parser("status", help="components, nodes and the KUBECONFIG line")
+    status = commands.add_parser(
+        "status",
+        help="components, nodes and the KUBECONFIG line; exits 0 only when all run, else 3",
+        description=STATUS_DESCRIPTION,
+    )
     status.add_argument("--state-dir", type=Path)
     status.set_defaults(func=cmd_status)

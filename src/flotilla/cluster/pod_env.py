@@ -6,11 +6,24 @@ Pure functions: the ConfigMap and Secret lookups are passed in, so this unit-tes
 from __future__ import annotations
 
 import base64
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 # (namespace, name) -> the object's data (ConfigMap) or decoded data (Secret); None when absent.
 Lookup = Callable[[str, str], dict[str, str] | None]
+
+# What a pod process inherits from the node agent; the container's own env is laid over it.
+BASE_ENV_KEYS = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "VIRTUAL_ENV",
+    "XDG_CACHE_HOME",
+    "TRITON_INTERPRET",
+)
 
 
 class EnvError(ValueError):
@@ -144,3 +157,23 @@ def container_argv(container: dict, env: dict[str, str]) -> list[str]:
             "so the container must name a command that exists on this host"
         )
     return [expand(part, env) for part in [*command, *(container.get("args") or [])]]
+
+
+def pod_path(inherited: str | None, scripts_dir: str) -> str:
+    """The PATH pods get: `scripts_dir` first, then the inherited entries without it.
+
+    The operator's pods run `flotilla ...`, which must resolve to this installation even when the cluster
+    was started as `.venv/bin/flotilla cluster up` without activating the virtual environment (so the
+    inherited PATH lacks it). Empty entries are dropped because they would mean the pod's working folder.
+    """
+    entries = (os.defpath if inherited is None else inherited).split(os.pathsep)
+    first = os.path.normpath(scripts_dir)
+    rest = [entry for entry in entries if entry and os.path.normpath(entry) != first]
+    return os.pathsep.join([scripts_dir, *rest])
+
+
+def base_env(environ: Mapping[str, str], scripts_dir: str) -> dict[str, str]:
+    """The environment every pod process starts from, before its container's env."""
+    env = {key: environ[key] for key in BASE_ENV_KEYS if key in environ}
+    env["PATH"] = pod_path(environ.get("PATH"), scripts_dir)
+    return env

@@ -9,26 +9,19 @@ import datetime as dt
 import os
 import signal
 import subprocess
+import sysconfig
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flotilla.cluster.pod_env import EnvError, container_argv, container_env
+from flotilla.cluster.pod_env import EnvError, base_env, container_argv, container_env
 from flotilla.cluster.probes import ProbeTracker, run_probe
 from flotilla.cluster.processes import ProcessTable, signal_group
 
-BASE_ENV_KEYS = (
-    "PATH",
-    "HOME",
-    "LANG",
-    "LC_ALL",
-    "TMPDIR",
-    "VIRTUAL_ENV",
-    "XDG_CACHE_HOME",
-    "TRITON_INTERPRET",
-)
+# Where this interpreter's entry points (`flotilla`, `python`) live; pods find them first on PATH.
+SCRIPTS_DIR = sysconfig.get_path("scripts")
 
 
 def now_rfc3339() -> str:
@@ -120,7 +113,7 @@ class PodRuntime:
             run.waiting_reason, run.waiting_message = "CreateContainerConfigError", str(exc)
             run.next_start = now + 2.0
             return
-        process_env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
+        process_env = base_env(os.environ, SCRIPTS_DIR)
         process_env.update(env)
         workdir = Path(run.spec.get("workingDir") or self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
