@@ -109,3 +109,13 @@ def tiny_preset(tmp_path_factory):
     folder = tmp_path_factory.mktemp("preset") / "tiny-qwen2"
     assert main(["model", "init", "--preset", "tiny-qwen2", str(folder)]) == 0
     return folder
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer(tmp_path_factory):
+    """A ModelTokenizer over write_byte_tokenizer's byte-level BPE (one token per byte; no model)."""
+    from flotilla.engine.text.tokenizer import ModelTokenizer
+
+    folder = tmp_path_factory.mktemp("byte-tokenizer")
+    write_byte_tokenizer(folder)
+    return ModelTokenizer(folder)

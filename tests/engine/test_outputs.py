@@ -119,19 +119,24 @@ def test_async_engine_streams_concurrently_and_aborts_on_exit(tiny_engine):
             if out.num_output_tokens >= 2:
                 break
 
+    def aborts() -> int:
+        return tiny_engine.stats().finished_by_reason.get("abort", 0)
+
     async def main():
         engine = AsyncEngine(tiny_engine)
         results = await asyncio.gather(
             collect(engine, [0, 3, 4], "a"), collect(engine, [0, 9], "b"), leave_early(engine)
         )
-        for _ in range(50):  # the worker applies the abort between steps
-            if not tiny_engine.has_unfinished_requests():
-                break
+        # The worker applies the abort between steps: wait for it, not for a fixed time (a busy machine
+        # may take longer); the deadline only keeps a broken engine from hanging the test.
+        deadline = asyncio.get_running_loop().time() + 60
+        while tiny_engine.has_unfinished_requests() or aborts() == before:
+            assert asyncio.get_running_loop().time() < deadline, "the worker never applied the abort"
             await asyncio.sleep(0.01)
         await engine.shutdown()
         return results
 
-    before = tiny_engine.stats().finished_by_reason.get("abort", 0)
+    before = aborts()
     (a, b, _) = asyncio.run(main())
     assert [a[0], b[0]] == expected
     assert a[2].finished and a[2].finish_reason == "length" and a[1] == a[2].text
@@ -139,7 +144,7 @@ def test_async_engine_streams_concurrently_and_aborts_on_exit(tiny_engine):
         a[2].first_token_time is not None
         and a[2].last_token_time >= a[2].first_token_time >= a[2].arrival_time
     )
-    assert tiny_engine.stats().finished_by_reason.get("abort", 0) == before + 1
+    assert aborts() == before + 1
     assert not tiny_engine.has_unfinished_requests() and tiny_engine.kv_manager.usage() == 0
 
 

@@ -123,8 +123,11 @@ def test_cli_refuses_a_bad_model_folder(tmp_path):
 def test_sigterm_drains_in_flight_requests(tiny_model, wait_for):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # A shutdown delay no stall can outlast, so the late request below is inside it however slow the
+    # machine; a second SIGTERM then ends the delay (test_shutdown_delay_* covers the delay running out).
     cmd = [sys.executable, "-m", "flotilla.cli", "engine", "serve", "--model", str(tiny_model),
-           "--port", str(port), "--served-model-name", MODEL_NAME, "--kv-cache-memory", "1MiB", "--log-level", "warning"]  # fmt: skip
+           "--port", str(port), "--served-model-name", MODEL_NAME, "--kv-cache-memory", "1MiB", "--log-level", "warning",
+           "--shutdown-delay", "600"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: _status(url + "/health") == 200, what="the server to be healthy")
@@ -136,10 +139,10 @@ def test_sigterm_drains_in_flight_requests(tiny_model, wait_for):
             next(lines)
             os.kill(proc.pid, signal.SIGTERM)
             wait_for(lambda: _status(url + "/health") != 200, what="health to stop answering 200")
-            # Within --shutdown-delay (5 s by default) a request routed here before endpoints caught up
-            # is still served.
+            # Within --shutdown-delay a request routed here before endpoints caught up is still served.
             late = httpx.post(url + "/v1/completions", json=BODY, timeout=60, trust_env=False)
             assert late.status_code == 200, late.text
+            os.kill(proc.pid, signal.SIGTERM)  # the second signal skips the rest of the delay
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
         # uvicorn re-raises the signal once it has shut down cleanly: the process ends by SIGTERM.
@@ -150,6 +153,60 @@ def test_sigterm_drains_in_flight_requests(tiny_model, wait_for):
             proc.wait()
     log = proc.stdout.read()
     assert "Traceback" not in log, log
+
+
+class _RecordedTimer:
+    """Stands in for threading.Timer: records the delay and callback; the test fires it."""
+
+    made: list[_RecordedTimer] = []
+
+    def __init__(self, interval, function, args=()) -> None:
+        self.interval, self.function, self.args = interval, function, args
+        self.started = False
+        _RecordedTimer.made.append(self)
+
+    def start(self) -> None:
+        self.started = True
+
+    def fire(self) -> None:
+        self.function(*self.args)
+
+
+def _draining_server(delay: float):
+    import uvicorn
+
+    from flotilla.engine.server.app import DrainingServer, ServerSettings, ServerState
+
+    state = ServerState(ServerSettings(model_name=MODEL_NAME))
+    return DrainingServer(uvicorn.Config(app=lambda *_: None), state, shutdown_delay=delay), state
+
+
+def test_shutdown_delay_drops_readiness_at_once_and_stops_when_it_runs_out(monkeypatch):
+    # The delay's clock is replaced by a recorded timer: what is checked is the order of events, which
+    # no machine load can change, not how long anything took.
+    monkeypatch.setattr(threading, "Timer", _RecordedTimer)
+    _RecordedTimer.made.clear()
+    server, state = _draining_server(5.0)
+    server.handle_exit(signal.SIGTERM, None)
+    assert state.draining
+    assert not server.should_exit  # still serving during the delay
+    (timer,) = _RecordedTimer.made
+    assert timer.started and timer.interval == 5.0
+    timer.fire()  # the delay ran out
+    assert server.should_exit
+
+
+def test_shutdown_delay_is_skipped_by_a_second_signal_or_when_zero(monkeypatch):
+    monkeypatch.setattr(threading, "Timer", _RecordedTimer)
+    _RecordedTimer.made.clear()
+    server, _ = _draining_server(5.0)
+    server.handle_exit(signal.SIGTERM, None)
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit
+    immediate, state = _draining_server(0.0)
+    immediate.handle_exit(signal.SIGTERM, None)
+    assert immediate.should_exit and state.draining
+    assert len(_RecordedTimer.made) == 1  # only the first signal with a delay started a timer
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,92 @@
+"""What every API request passes before the engine sees it: the API key, the model name, an engine
+that is serving, and a place in the queue (or 429 when it is full).
+
+Handlers get these through FastAPI dependencies; the state lives on `app.state.flotilla`. The
+dependencies are `async def` so FastAPI calls them on the event loop, not in a thread pool.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from fastapi import Request
+
+from flotilla.engine.server.errors import ApiError
+from flotilla.engine.server.openai_serving import Job, Serving
+from flotilla.engine.server.state import ServerSettings, ServerState
+
+
+async def server_state(request: Request) -> ServerState:
+    return request.app.state.flotilla
+
+
+async def require_api_key(request: Request) -> None:
+    """Router dependency: 401 unless the request carries the server's key (when it has one)."""
+    api_key = request.app.state.flotilla.settings.api_key
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+        message = "missing API key" if not header else "invalid API key"
+        raise ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class Gate:
+    """The checks a handler makes once it has read the body (they need the body's model name)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    @property
+    def settings(self) -> ServerSettings:
+        return self.state.settings
+
+    def check_model(self, name: str | None) -> None:
+        model_name = self.settings.model_name
+        if name is not None and name != model_name:
+            raise ApiError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def serving(self) -> Serving:
+        status, body = self.state.health()
+        # Draining still serves: only readiness drops, and the listener closes after --shutdown-delay.
+        if status != 200 and body["status"] != "draining":
+            raise ApiError(503, f"the engine is not serving: {body.get('error', body['status'])}",
+                           code=body["status"], headers={"Retry-After": "1"})  # fmt: skip
+        assert self.state.serving is not None
+        return self.state.serving
+
+    def admit(self, job: Job) -> Callable[[], None]:
+        """Counts the job in flight, or refuses it with 429 when the queue is full. Returns the release
+        (safe to call more than once)."""
+        state, max_queue = self.state, self.settings.max_queue
+        n = len(job.choices)
+        if max_queue is not None and state.engine is not None:
+            waiting = max(0, state.in_flight - state.engine.stats().num_running)
+            if waiting + n > max_queue:
+                raise ApiError(
+                    429,
+                    f"the queue is full ({waiting} requests waiting, limit {max_queue}); retry later",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
+        state.in_flight += n
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                state.in_flight -= n
+
+        return release
+
+
+async def get_gate(request: Request) -> Gate:
+    return Gate(request.app.state.flotilla)

@@ -1,0 +1,1 @@
+"""One APIRouter per endpoint group; app.py includes them all."""

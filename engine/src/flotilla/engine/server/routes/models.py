@@ -1,0 +1,20 @@
+"""GET /v1/models: the one model this server serves."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from flotilla.engine.server import protocol as api
+from flotilla.engine.server.gate import Gate, get_gate, require_api_key
+from flotilla.engine.server.openapi import ERRORS
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.get("/v1/models", response_model=api.ModelList, responses=ERRORS)
+async def models(gate: Gate = Depends(get_gate)) -> JSONResponse:
+    s = gate.serving()
+    card = {"id": gate.settings.model_name, "object": "model", "created": gate.state.created,
+            "owned_by": "flotilla", "max_model_len": s.max_model_len}  # fmt: skip
+    return JSONResponse({"object": "list", "data": [card]})

@@ -1,0 +1,40 @@
+"""POST /tokenize and /detokenize: the server's tokenizer, for clients that count or build prompts."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from flotilla.engine.server import protocol as api
+from flotilla.engine.server.errors import bad_request, parse_json_body
+from flotilla.engine.server.gate import Gate, get_gate, require_api_key
+from flotilla.engine.server.openapi import ERRORS, json_body
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/tokenize", response_model=api.TokenizeResponse, responses=ERRORS,
+             openapi_extra=json_body(api.TokenizeRequest))  # fmt: skip
+async def tokenize(request: Request, gate: Gate = Depends(get_gate)) -> JSONResponse:
+    req = await parse_json_body(request, api.TokenizeRequest, gate.settings.max_body_bytes)
+    gate.check_model(req.model)
+    s = gate.serving()
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    if req.messages is not None:
+        tokens = s.chat_prompt_ids(req.messages, req.add_generation_prompt)
+    else:
+        tokens = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": s.max_model_len})
+
+
+@router.post("/detokenize", response_model=api.DetokenizeResponse, responses=ERRORS,
+             openapi_extra=json_body(api.DetokenizeRequest))  # fmt: skip
+async def detokenize(request: Request, gate: Gate = Depends(get_gate)) -> JSONResponse:
+    req = await parse_json_body(request, api.DetokenizeRequest, gate.settings.max_body_bytes)
+    gate.check_model(req.model)
+    s = gate.serving()
+    bad = [t for t in req.tokens if t >= s.vocab_size]
+    if bad:
+        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (size {s.vocab_size})", "tokens")
+    return JSONResponse({"prompt": s.tokenizer.decode(req.tokens, skip_special_tokens=False)})

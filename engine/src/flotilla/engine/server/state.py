@@ -1,0 +1,47 @@
+"""What the server knows at run time: its settings, the engine once loaded, and whether it drains.
+
+Apart from app.py so the routers can name it without importing the app that includes them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from flotilla.engine.async_engine import AsyncEngine
+from flotilla.engine.server.metrics import EngineMetrics
+from flotilla.engine.server.openai_serving import Serving
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int | None = 256  # requests accepted but not running; None: unbounded
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    metrics: EngineMetrics | None = None
+    engine: AsyncEngine | None = None
+    serving: Serving | None = None
+    load_error: BaseException | None = None
+    draining: bool = False
+    in_flight: int = 0  # engine requests accepted and not yet answered
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        if self.load_error is not None:
+            return 503, {"status": "failed", "error": f"loading the model failed: {self.load_error}"}
+        if self.engine is None:
+            return 503, {"status": "loading"}
+        if self.engine.error is not None:
+            return 503, {"status": "dead", "error": f"the engine loop stopped: {self.engine.error!r}"}
+        if self.draining:
+            return 503, {"status": "draining"}
+        return 200, {"status": "ok"}
