@@ -64,10 +64,8 @@ def serving_threads() -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from flotilla.engine.model.config import ModelConfig, ModelLoadError
-    from flotilla.engine.server.app import DrainingServer, ServerSettings, create_app
+    from flotilla.engine.server.run import ServerSettings, run_server
     from flotilla.engine.text.tokenizer import ModelTokenizer
 
     logging.basicConfig(
@@ -101,24 +99,14 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue if args.max_queue > 0 else None,
         max_body_bytes=args.max_body_size,
     )
-    failed: list[BaseException] = []
-    server: DrainingServer | None = None
-
-    def on_load_failure(exc: BaseException) -> None:
-        failed.append(exc)
-        if server is not None:
-            server.should_exit = True
-
-    app = create_app(settings, build_engine, on_load_failure)
-    uv_config = uvicorn.Config(
-        app,
+    load_failed = run_server(
+        settings,
+        build_engine,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=args.drain_timeout,
-        timeout_keep_alive=5,
+        drain_timeout=args.drain_timeout,
+        shutdown_delay=args.shutdown_delay,
     )
-    server = DrainingServer(uv_config, app.state.flotilla, args.shutdown_delay)
-    server.run()
-    return 1 if failed else 0
+    return 1 if load_failed else 0
