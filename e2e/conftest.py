@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,7 +26,7 @@ def _path_without_scripts_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def cluster() -> ClusterHandle:
+def cluster() -> Iterator[ClusterHandle]:
     """A fresh cluster of the tests' own, on free ports and its own pod IPs, purged afterwards: a cluster
     that `make demo` left running (with its operator) is never touched."""
     state_dir = default_state_dir().parent / "test-cluster"

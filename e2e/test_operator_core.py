@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: ClusterHandle, tmp_path_factory) -> OperatorProcess:
+def operator(cluster: ClusterHandle, tmp_path_factory) -> Iterator[OperatorProcess]:
     install_manifests(cluster)
     workdir = tmp_path_factory.mktemp("operator")
     kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")

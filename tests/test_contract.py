@@ -43,19 +43,25 @@ ENGINE_SETTINGS = [
 CONFIGS = [OperatorConfig(check_local_model_paths=False), OperatorConfig(hf_cache_dir="/var/cache/hf")]
 
 
-def _pods():
+def _built_pods() -> list[tuple[str, InferenceServiceSpec, dict]]:
+    """(id, spec, pod spec) for every model URI scheme, engine setting and operator configuration."""
+    built = []
     owner = Owner(name="chat", namespace="team-a", uid="uid-1")
     for uri, engine, config in itertools.product(MODEL_URIS, ENGINE_SETTINGS, CONFIGS):
         spec = InferenceServiceSpec.model_validate(
             {"model": {"uri": uri}, "resources": {"gpus": 1}, "replicas": 1, "engine": engine}
         )
         dep = deployment(owner, spec, Decision(tenant="team-a", replicas=1), config)
-        yield pytest.param(
-            spec, dep["spec"]["template"]["spec"], id=f"{uri}|{sorted(engine)}|{config.hf_cache_dir}"
-        )
+        pod = dep["spec"]["template"]["spec"]
+        built.append((f"{uri}|{sorted(engine)}|{config.hf_cache_dir}", spec, pod))
+    return built
 
 
-@pytest.mark.parametrize(("spec", "pod"), list(_pods()))
+def _pods() -> list:
+    return [pytest.param(spec, pod, id=pid) for pid, spec, pod in _built_pods()]
+
+
+@pytest.mark.parametrize(("spec", "pod"), _pods())
 def test_every_engine_command_parses_with_the_engines_cli(spec: InferenceServiceSpec, pod: dict) -> None:
     (container,) = pod["containers"]
     command = container["command"]
@@ -84,7 +90,7 @@ def test_every_engine_command_parses_with_the_engines_cli(spec: InferenceService
     assert any(args.model == p or args.model.startswith(p.rstrip("/") + "/") for p in mounted)
 
 
-@pytest.mark.parametrize(("spec", "pod"), list(_pods()))
+@pytest.mark.parametrize(("spec", "pod"), _pods())
 def test_every_init_container_command_parses_with_the_engines_cli(
     spec: InferenceServiceSpec, pod: dict
 ) -> None:
@@ -102,8 +108,7 @@ def test_every_init_container_command_parses_with_the_engines_cli(
 
 
 def test_schemes_that_need_a_download_get_an_init_container() -> None:
-    pods = {p.id: p.values[1] for p in _pods()}
-    fetched = {pid.split("|")[0] for pid, pod in pods.items() if pod.get("initContainers")}
+    fetched = {pid.split("|")[0] for pid, _, pod in _built_pods() if pod.get("initContainers")}
     assert fetched == {
         "hf://org/name",
         "hf://org/name@v1.0",

@@ -63,7 +63,7 @@ def check_against_hf(engine: LLMEngine, model, batch: list[list[int]]):
         ref_tokens, ref_logprobs = hf_reference(model, prompt)
         assert result.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
         assert result.finish_reason == "length"
-        assert len(result.all_logprobs) == MAX_TOKENS
+        assert result.all_logprobs is not None and len(result.all_logprobs) == MAX_TOKENS
         worst = 0.0
         for step, (ours, ref) in enumerate(zip(result.all_logprobs, ref_logprobs, strict=True)):
             assert ours.token_id == ref_tokens[step]

@@ -104,7 +104,8 @@ def expand(text: str, env: dict[str, str]) -> str:
         if match.group(0) == "$$":
             return "$"
         name = match.group(1)
-        return env.get(name, match.group(0))
+        value = env.get(name)
+        return match.group(0) if value is None else value
 
     return _VAR.sub(replace, text)
 

@@ -34,7 +34,7 @@ class PrometheusProcess:
     def __enter__(self) -> PrometheusProcess:
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                [BINARY, f"--config.file={self.workdir / 'prometheus.yml'}",
+                [str(BINARY), f"--config.file={self.workdir / 'prometheus.yml'}",
                  f"--storage.tsdb.path={self.workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip

@@ -48,8 +48,10 @@ class _TrackedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._release()
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()  # aborts the engine requests if it had started
+            aclose = getattr(self.body_iterator, "aclose", None)  # an async generator's; aborts the
+            if aclose is not None:  # engine requests if it had started
+                with contextlib.suppress(Exception):
+                    await aclose()
 
 
 async def _until_disconnect(request: Request, work: Awaitable):

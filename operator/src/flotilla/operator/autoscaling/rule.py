@@ -167,7 +167,7 @@ def _describe(inputs: Inputs, proposals: dict[str, int]) -> str:
     policy, parts = inputs.policy, []
     if QUEUE in proposals:
         ready = [p for p in inputs.pods if p.ready and p.waiting is not None]
-        per_pod = sum(p.waiting for p in ready) / len(ready)
+        per_pod = sum(p.waiting or 0.0 for p in ready) / len(ready)
         parts.append(
             f"queue {per_pod:.2f}/replica (target {policy.queue_depth_target:g}) -> {proposals[QUEUE]}"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request, Response
 from pydantic import BaseModel
@@ -24,7 +25,8 @@ async def serve_generation(
 ) -> Response:
     """A JSON answer or an SSE stream, after the model and queue checks (the key was checked already)."""
     arrival = time.time()  # TTFT counts from here
-    req = await parse_json_body(request, request_model, gate.settings.max_body_bytes)
+    # Both request models carry `model` and `logprobs`; pyright sees only their BaseModel.
+    req: Any = await parse_json_body(request, request_model, gate.settings.max_body_bytes)
     gate.check_model(req.model)
     s = gate.serving()
     job = job_of(s, req, arrival)
