@@ -217,6 +217,19 @@ def test_over_quota_apply_is_refused_with_the_full_message(env):
         c.kubectl("delete", "namespace", f"nobody-{RUN}", "--wait=false")
 
 
+def test_what_the_reconciler_would_mark_invalid_is_refused_in_its_words(env):
+    c, ns = env.cluster, env.ns_a
+    bad = _isvc("min-over-max", replicas=1, autoscaling={"minReplicas": 3, "maxReplicas": 2})
+    refused = c.kubectl("apply", "-n", ns, "-f", "-", input=bad, check=False)
+    assert refused.returncode != 0
+    # The Valid condition's message (tests/operator/test_admission.py checks that they are the same).
+    assert "spec.autoscaling: minReplicas (3) is greater than maxReplicas (2)" in refused.stderr, (
+        refused.stderr
+    )
+    # Nothing stored, so nothing charged.
+    assert c.kubectl("get", "fisvc", "min-over-max", "-n", ns, check=False).returncode != 0
+
+
 def test_parallel_applies_cannot_both_pass_into_over_quota(env, cluster):
     tenant, ns = f"race-{RUN}", f"race-{RUN}"
     cluster.kubectl("create", "namespace", ns)
@@ -407,3 +420,24 @@ def test_metering_survives_killed_operators_and_matches_pod_lifetimes(env, clust
     assert samples[("flotilla_tenant_gpus_allocated", h100)] == 2
     key = (("gpu_type", "h100"), ("namespace", ns), ("service", "metered"), ("tenant", tenant))
     assert samples[("flotilla_tenant_gpu_seconds_total", key)] >= metered
+
+
+def test_a_webhook_without_its_namespace_exits_at_once_with_one_line(cluster, tmp_path):
+    """Without the namespace for its TLS Secret, the operator used to retry its start-up forever (a
+    traceback a minute, nothing reconciled). It must say what is missing, once, and exit."""
+    install_manifests(cluster)  # the operator's ServiceAccount, which may read namespaces
+    missing = f"missing-{RUN}"
+    assert cluster.kubectl("get", "namespace", missing, check=False).returncode != 0
+    operator = OperatorProcess(
+        service_account_kubeconfig(cluster, tmp_path / "operator.kubeconfig"),
+        tmp_path / "operator.log",
+        ("--webhook-port", str(free_port()), "--operator-namespace", missing),
+    )
+    started = time.monotonic()
+    result = subprocess.run(operator.argv(), capture_output=True, text=True, timeout=60)
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode != 0, output
+    assert len(output.splitlines()) == 1 and "Traceback" not in output, output
+    assert f"namespace {missing} does not exist" in output, output
+    assert "kubectl apply -f deploy/operator-rbac.yaml" in output, output
+    assert time.monotonic() - started < 30, output

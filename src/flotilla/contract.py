@@ -98,17 +98,20 @@ class EngineArgs:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def flags(self) -> list[str]:
-        valued = (
+        flags = _valued(
             (FLAG_MAX_NUM_SEQS, self.max_num_seqs),
             (FLAG_MAX_NUM_BATCHED_TOKENS, self.max_num_batched_tokens),
             (FLAG_BLOCK_SIZE, self.block_size),
             (FLAG_KV_CACHE_MEMORY, self.kv_cache_bytes),
-            (FLAG_DTYPE, self.dtype),
         )
-        flags = [part for flag, value in valued if value is not None for part in (flag, str(value))]
         if self.prefix_caching is False:
             flags.append(FLAG_NO_PREFIX_CACHING)
-        return flags + list(self.extra_args)
+        return flags + _valued((FLAG_DTYPE, self.dtype)) + list(self.extra_args)
+
+
+def _valued(*pairs: tuple[str, object]) -> list[str]:
+    """`--flag value` for each pair whose value is set."""
+    return [part for flag, value in pairs if value is not None for part in (flag, str(value))]
 
 
 def engine_serve_argv(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flotilla.operator.api.v1alpha1 import TenantSpec
-from flotilla.operator.tenancy.quota import Grant, decide, used_gpus
+from flotilla.operator.tenancy.quota import Held, Ledger, decide, used_gpus
 
 TENANT = TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 8})
 
@@ -53,5 +53,20 @@ def test_cpu_only_services_are_free():
 
 
 def test_usage_counts_one_tenant_and_type():
-    grants = [Grant("a", "h100", 2), Grant("a", "l4", 1), Grant("b", "h100", 4)]
-    assert used_gpus(grants, "a", "h100") == 2
+    held = [
+        Held(("a", "x"), "a", "h100", 2),
+        Held(("a", "y"), "a", "l4", 1),
+        Held(("b", "z"), "b", "h100", 4),
+    ]
+    assert used_gpus(held, "a", "h100") == 2
+
+
+def test_the_reconcilers_ledger_holds_what_each_service_runs():
+    ledger = Ledger()
+    ledger.hold(Held(("a", "x"), "a", "h100", 2))
+    # After a restart, seeding from status never overwrites what a reconcile has already held.
+    ledger.seed([Held(("a", "x"), "a", "h100", 6), Held(("a", "y"), "a", "h100", 1)])
+    assert sorted(h.gpus for h in ledger.others(("a", "z"), "a")) == [1, 2]
+    assert [h.key for h in ledger.others(("a", "x"))] == [("a", "y")]
+    assert ledger.release(("a", "x")) == Held(("a", "x"), "a", "h100", 2)
+    assert ledger.entries("a") == [Held(("a", "y"), "a", "h100", 1)] and ledger.entries("b") == []

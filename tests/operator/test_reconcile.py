@@ -5,7 +5,7 @@ from __future__ import annotations
 from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.desired.reconcile import World, plan, status_changed
-from flotilla.operator.tenancy.quota import Grant
+from flotilla.operator.tenancy.quota import Held
 
 NOW = "2026-01-01T00:00:00Z"
 
@@ -24,7 +24,7 @@ def _world(**kw):
         now=NOW,
         gpu_types={"h100"},
         tenants={"team-a": TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 4})},
-        other_grants=[],
+        held_by_others=[],
         deployment=None,
         pods=[],
         path_exists=lambda _p: True,
@@ -40,11 +40,11 @@ def _conds(p):
     return {c["type"]: c for c in p.status["conditions"]}
 
 
-def test_valid_service_gets_children_and_a_grant():
+def test_valid_service_gets_children_and_holds_its_gpus():
     p = plan(_obj(SPEC), _world())
     assert [c["kind"] for c in p.children] == ["Deployment", "Service", "PodDisruptionBudget"]
     assert p.children[0]["spec"]["replicas"] == 2
-    assert p.grant == Grant("team-a", "h100", 2)
+    assert p.held == Held(("team-a", "chat"), "team-a", "h100", 2)
     assert _conds(p)["QuotaAdmitted"]["status"] == "True"
     assert p.events == []
 
@@ -52,7 +52,7 @@ def test_valid_service_gets_children_and_a_grant():
 def test_invalid_service_gets_nothing_and_one_warning():
     spec = {**SPEC, "resources": {"gpus": 1, "gpuType": "a100"}}
     p = plan(_obj(spec), _world())
-    assert p.children == [] and p.grant is None
+    assert p.children == [] and p.held is None
     assert [(e.type, e.reason) for e in p.events] == [("Warning", "UnknownGPUType")]
     # The next reconcile of the same object does not repeat the warning.
     again = plan(_obj(spec, status=p.status), _world())
@@ -60,7 +60,9 @@ def test_invalid_service_gets_nothing_and_one_warning():
 
 
 def test_quota_holds_back_and_warns():
-    p = plan(_obj({**SPEC, "replicas": 3}), _world(other_grants=[Grant("team-a", "h100", 2)]))
+    p = plan(
+        _obj({**SPEC, "replicas": 3}), _world(held_by_others=[Held(("team-a", "other"), "team-a", "h100", 2)])
+    )
     assert p.children[0]["spec"]["replicas"] == 2
     c = _conds(p)
     assert c["QuotaAdmitted"]["status"] == "False"
@@ -69,7 +71,7 @@ def test_quota_holds_back_and_warns():
 
 
 def test_other_tenants_do_not_count():
-    p = plan(_obj(SPEC), _world(other_grants=[Grant("team-b", "h100", 4)]))
+    p = plan(_obj(SPEC), _world(held_by_others=[Held(("team-b", "other"), "team-b", "h100", 4)]))
     assert _conds(p)["QuotaAdmitted"]["status"] == "True"
 
 
@@ -109,7 +111,7 @@ def test_a_namespace_selected_by_labels_is_held_to_that_tenants_quota():
     )
     world = _world(tenants={"ml": selecting}, namespace_labels={"team-a": {"team": "ml"}})
     p = plan(_obj(SPEC), world)
-    assert p.children[0]["spec"]["replicas"] == 1 and p.grant == Grant("ml", "h100", 1)
+    assert p.children[0]["spec"]["replicas"] == 1 and p.held == Held(("team-a", "chat"), "ml", "h100", 1)
     assert "tenant ml" in _conds(p)["QuotaAdmitted"]["message"]
 
     unlabelled = plan(_obj(SPEC), _world(tenants={"ml": selecting}, namespace_labels={"team-a": {}}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 
 from flotilla.operator.api.v1alpha1 import MeteringLedger, TenantSpec, TenantStatus, TokenCount
 from flotilla.operator.controllers import webhook_tls
+from flotilla.operator.controllers.webhook_server import missing_namespace_message
 from flotilla.operator.tenancy.rbac import MEMBER_ROLE, desired_objects
 from flotilla.operator.tenancy.rules import namespaces_of, tenant_of, tenant_problems
 from flotilla.operator.tenancy.usage import WindowError, check_window, render, report
@@ -65,6 +67,17 @@ def test_webhook_material_is_reused_and_renewed_from_the_same_ca():
     assert late.ca_cert == first.ca_cert and late.cert != first.cert
     again = webhook_tls.Material.from_secret_data(first.to_secret_data())
     assert again == first
+
+
+def test_a_missing_operator_namespace_is_named_with_the_manifest_that_creates_it():
+    default = missing_namespace_message("flotilla-system")
+    assert "namespace flotilla-system does not exist" in default
+    assert "`kubectl apply -f deploy/operator-rbac.yaml`" in default and "\n" not in default
+    # deploy/operator-rbac.yaml is rendered for flotilla-system; another namespace needs it rendered anew.
+    other = missing_namespace_message("ops")
+    assert "`flotilla operator rbac --namespace ops && kubectl apply -f deploy/operator-rbac.yaml`" in other
+    manifest = (Path(__file__).resolve().parents[2] / "deploy" / "operator-rbac.yaml").read_text()
+    assert "kind: Namespace\nmetadata:\n  name: flotilla-system\n" in manifest
 
 
 def test_usage_report_all_time_and_by_day():

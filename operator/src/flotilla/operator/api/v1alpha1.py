@@ -65,7 +65,9 @@ class ModelSource(_Model):
     )
 
 
-class EngineConfig(_Model):
+# spec.engine: what the operator passes to `flotilla engine serve` (the engine's own settings class is
+# flotilla.engine.config.EngineConfig). A comment, not a docstring: a docstring becomes the CRD's description.
+class EngineSettings(_Model):
     max_num_seqs: int | None = Field(default=None, ge=1, le=4096, description="sequences in one batch")
     max_num_batched_tokens: int | None = Field(default=None, ge=16, le=1_048_576)
     block_size: Literal[8, 16, 32] | None = Field(default=None, description="tokens per KV block")
@@ -111,7 +113,7 @@ class InferenceServiceSpec(_Model):
     model: ModelSource
     resources: Resources = Field(default_factory=Resources)
     replicas: int = Field(default=1, ge=0, le=1000, description="the scale subresource's spec.replicas")
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
     autoscaling: Autoscaling | None = None
     priority: int = Field(default=0, ge=-1000, le=1000, description="higher wins under quota pressure")
     image: str | None = Field(

@@ -1,6 +1,6 @@
 """One service's autoscaler between decisions, and the glue from observations to the rule and back.
 
-No I/O here: autoscale_handlers.py gets the Signals from a metrics source (pod scrapes or Prometheus),
+No I/O here: controllers/autoscaling.py gets the Signals from a metrics source (pod scrapes or Prometheus),
 calls `step`, and writes what it returns (the scale, status.autoscaling, an Event, gauges). The state
 kept between decisions (the recommendation history, and the scraper's TTFT window) lives in memory, so
 an operator restart starts it afresh: the scale-down window then begins again, which errs on the side

@@ -2,7 +2,7 @@
 
 Each period it reads the service's signals (scraping its ready pods, or asking Prometheus when
 --prometheus-url is set), asks the tenant's quota how far the service may grow,
-runs the pure rule (autoscale_rule.decide via autoscaler.ServiceAutoscaler), and carries out the result:
+runs the pure rule (autoscaling/rule.py via autoscaler.ServiceAutoscaler), and carries out the result:
 a PATCH of the InferenceService's scale subresource (the reconciler then resizes the Deployment, so quota
 and status stay in one place), status.autoscaling, an Event for every scale, and the gauges.
 
@@ -30,17 +30,11 @@ from flotilla.operator.autoscaling.autoscaler import (
 )
 from flotilla.operator.clients import prometheus as prometheus_source
 from flotilla.operator.clients.engine_metrics import PodScraper
-from flotilla.operator.controllers.services import (
-    ISVC,
-    Key,
-    index_one,
-    labels_by_namespace,
-    runtime,
-    tenant_specs,
-)
+from flotilla.operator.controllers.indexes import ISVC, index_one, labels_by_namespace, tenant_specs
+from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired.status import pod_view
 from flotilla.operator.metrics import API_CALLS
-from flotilla.operator.tenancy.quota import QuotaDecision, decide, used_gpus
+from flotilla.operator.tenancy.quota import Key, QuotaDecision, decide, used_gpus
 from flotilla.operator.tenancy.rules import tenant_of
 
 log = logging.getLogger("flotilla.operator.autoscaling.autoscaler")
@@ -56,15 +50,15 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _quota(key: Key, spec: dict, indexes: dict, wanted: int, current: int) -> QuotaDecision | None:
-    """The tenancy rule (quota.decide) asked about `wanted` replicas, against the operator's ledger."""
-    rt = runtime()
+def _quota(
+    rt: Runtime, key: Key, spec: dict, indexes: dict, wanted: int, current: int
+) -> QuotaDecision | None:
+    """The tenancy rule (quota.decide) asked about `wanted` replicas, against the reconciler's ledger."""
     resources = spec.get("resources") or {}
     gpu_type, gpus = resources.get("gpuType"), resources.get("gpus", 1)
-    with rt.lock:
-        specs = tenant_specs(indexes["tenants"])
-        tenant = tenant_of(key[0], specs, labels_by_namespace(indexes["namespace_labels"]))
-        others = [g for k, g in rt.grants.items() if k != key]
+    specs = tenant_specs(indexes["tenants"])
+    tenant = tenant_of(key[0], specs, labels_by_namespace(indexes["namespace_labels"]))
+    others = rt.held.others(key)
     if tenant is None:
         return None
     return decide(
@@ -78,16 +72,16 @@ def _quota(key: Key, spec: dict, indexes: dict, wanted: int, current: int) -> Qu
     )
 
 
-def _patch_scale(namespace: str, name: str, replicas: int) -> None:
+def _patch_scale(rt: Runtime, namespace: str, name: str, replicas: int) -> None:
     API_CALLS.labels(verb="patch", resource="inferenceservices/scale").inc()
-    runtime().kube.custom.patch_namespaced_custom_object_scale(
+    rt.kube.custom.patch_namespaced_custom_object_scale(
         GROUP, VERSION, namespace, INFERENCE_SERVICE.plural, name, {"spec": {"replicas": replicas}}
     )
 
 
-def _patch_status(namespace: str, name: str, autoscaling: dict) -> None:
+def _patch_status(rt: Runtime, namespace: str, name: str, autoscaling: dict) -> None:
     API_CALLS.labels(verb="patch", resource="inferenceservices/status").inc()
-    runtime().kube.custom.patch_namespaced_custom_object_status(
+    rt.kube.custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, INFERENCE_SERVICE.plural, name, {"status": {"autoscaling": autoscaling}}
     )
 
@@ -95,7 +89,8 @@ def _patch_status(namespace: str, name: str, autoscaling: dict) -> None:
 class _Daemon:
     """The state one service's daemon keeps between decisions."""
 
-    def __init__(self, key: Key) -> None:
+    def __init__(self, rt: Runtime, key: Key) -> None:
+        self.rt = rt
         self.key = key
         self.scaler: ServiceAutoscaler | None = None
         self.scraper: PodScraper | None = None
@@ -119,7 +114,7 @@ class _Daemon:
         pods = [pod_view(p) for p in indexes["pods"].get(self.key, [])]
         targets = scraped_pods(pods)
         window = autoscaling.ttft_window_seconds
-        prometheus_url = runtime().config.prometheus_url
+        prometheus_url = self.rt.config.prometheus_url
         if prometheus_url:
             signals = await prometheus_source.collect(
                 client, prometheus_url, namespace, name, window, set(targets)
@@ -127,7 +122,7 @@ class _Daemon:
         else:
             live = {p.name for p in pods if not p.deleting}
             signals = await self.scraper.collect(client, now, window, targets, live)
-        quota = _quota(self.key, spec, indexes, autoscaling.max_replicas, current)
+        quota = _quota(self.rt, self.key, spec, indexes, autoscaling.max_replicas, current)
         step = self.scaler.step(
             now=now, spec=autoscaling, current=current, pods=pods, signals=signals, quota=quota
         )
@@ -138,7 +133,7 @@ class _Daemon:
 
         scaled = outcome.desired != current
         if scaled:
-            await asyncio.to_thread(_patch_scale, namespace, name, outcome.desired)
+            await asyncio.to_thread(_patch_scale, self.rt, namespace, name, outcome.desired)
             direction = "up" if outcome.desired > current else "down"
             autoscale_metrics.SCALES.labels(namespace, name, direction).inc()
             kopf.event(
@@ -160,7 +155,7 @@ class _Daemon:
             generation=obj["metadata"].get("generation", 0),
             scaled=scaled,
         )
-        await asyncio.to_thread(_patch_status, namespace, name, status)
+        await asyncio.to_thread(_patch_status, self.rt, namespace, name, status)
         self.written = status
         m = step.metrics
         autoscale_metrics.record(
@@ -175,11 +170,13 @@ class _Daemon:
 
 
 @kopf.daemon(*ISVC, when=_autoscaled, cancellation_timeout=10)
-async def autoscale(stopped: kopf.DaemonStopped, namespace: str, name: str, **kwargs) -> None:
+async def autoscale(
+    stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo, **kwargs
+) -> None:
     import httpx
 
     indexes = {k: kwargs[k] for k in ("services", "pods", "tenants", "namespace_labels")}
-    daemon = _Daemon((namespace, name))
+    daemon = _Daemon(memo.runtime, (namespace, name))
     try:
         # trust_env=False: pod traffic never goes through a proxy from the environment.
         async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS, trust_env=False) as client:

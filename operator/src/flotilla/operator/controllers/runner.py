@@ -30,33 +30,39 @@ def run_operator(
 ) -> int:
     import kopf
 
+    from flotilla.operator.clients.kube import Kube
+    from flotilla.operator.controllers.state import Runtime, new_memo
+    from flotilla.operator.manifests.rbac import PEERING
+
     if kubeconfig is not None:
         # kopf's own login reads $KUBECONFIG; the handlers' client gets the same file explicitly.
         os.environ["KUBECONFIG"] = str(kubeconfig)
+    kube = Kube(kubeconfig)
+    tenancy = tenancy or TenancySettings()
+    if tenancy.webhook_port:
+        # kopf needs a server for the validating handlers; importing them registers both.
+        from flotilla.operator.controllers import admission, webhook_server  # noqa: F401
+
+        webhook_server.require_namespace(kube, tenancy.namespace)  # before kopf: one line, not a retry loop
 
     # Structured (JSON) logs, one object per line.
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON)
 
-    from flotilla.operator.controllers import (
-        autoscaling as autoscale_handlers,  # noqa: F401 (registers the autoscaler's daemon)
+    # Importing the handler modules registers them with kopf.
+    from flotilla.operator.controllers import (  # noqa: F401
+        autoscaling,  # the autoscaler's daemon
+        child_events,  # drift correction and status refresh on owned children
+        cluster_events,  # nodes, namespaces and Tenants: retry what they may unblock
+        indexes,  # the in-memory indexes every handler reads
+        lifecycle,  # kopf's settings and login
+        metering,  # metering, tenant RBAC and ResourceQuota
+        service_events,  # the InferenceService reconcile
     )
-    from flotilla.operator.controllers import (
-        services as handlers,  # registers the handlers with kopf
-    )
-    from flotilla.operator.controllers import (
-        tenancy as tenancy_handlers,  # metering, tenant RBAC and ResourceQuota
-    )
-
-    tenancy_handlers.SETTINGS = tenancy or TenancySettings()
-    if tenancy_handlers.SETTINGS.webhook_port:
-        from flotilla.operator.controllers import admission as admission_handlers  # noqa: F401 (kopf needs a server for these)
-    from flotilla.operator.clients.kube import Kube
-    from flotilla.operator.manifests.rbac import PEERING
     from flotilla.operator.metrics import serve
 
     # Peering named `flotilla` when the kopf.dev CRD is installed (kopf's auto-detection); --peering NAME
     # makes it mandatory, --standalone turns it off.
-    handlers.RUNTIME = handlers.Runtime(config=config, kube=Kube(kubeconfig), peering_name=peering or PEERING)
+    runtime = Runtime(config=config, kube=kube, tenancy=tenancy, peering_name=peering or PEERING)
     if metrics_port:
         server = serve(metrics_host, metrics_port)
         log.info("serving /metrics and /healthz on http://%s:%d", metrics_host, server.server_address[1])
@@ -71,5 +77,6 @@ def run_operator(
         # newest replica is the active one, older ones stand by.
         priority=priority if priority is not None else int(time.time()),
         liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz" if liveness_port else None,
+        memo=new_memo(runtime),  # every handler's shared state (state.py)
     )
     return 0

@@ -20,10 +20,10 @@ from flotilla.operator.desired.status import (
     deployment_view,
     pod_view,
 )
-from flotilla.operator.desired.validation import Problem, parse_spec, validate
+from flotilla.operator.desired.validation import Problem, check
 from flotilla.operator.desired.workload import Decision, Owner, children, service_url, target_replicas
 from flotilla.operator.naming import NO_TENANT, selector_string
-from flotilla.operator.tenancy.quota import Grant, QuotaDecision, decide, used_gpus
+from flotilla.operator.tenancy.quota import Held, QuotaDecision, decide, used_gpus
 from flotilla.operator.tenancy.rules import tenant_of
 
 
@@ -35,7 +35,7 @@ class World:
     now: str  # RFC 3339; passed in so that status is a function of its inputs
     gpu_types: set[str]
     tenants: Mapping[str, TenantSpec]
-    other_grants: list[Grant]  # what the other services hold
+    held_by_others: list[Held]  # what the other services hold
     deployment: dict | None  # the observed child Deployment
     pods: list[dict] = field(default_factory=list)
     namespace_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
@@ -54,7 +54,7 @@ class Plan:
     children: list[dict]  # empty when nothing may be created (invalid spec)
     status: dict
     events: list[Event]
-    grant: Grant | None  # what this service holds once the plan is carried out
+    held: Held | None  # what this service holds once the plan is carried out
     problems: list[Problem]
 
 
@@ -67,15 +67,13 @@ def plan(obj: dict, world: World) -> Plan:
     owner = owner_of(obj)
     generation = obj["metadata"].get("generation", 0)
     previous = (obj.get("status") or {}).get("conditions") or []
-    spec, problems = parse_spec(obj.get("spec") or {})
-    if spec is not None:
-        problems = validate(spec, gpu_types=world.gpu_types, path_exists=world.path_exists)
+    spec, problems = check(obj.get("spec") or {}, gpu_types=world.gpu_types, path_exists=world.path_exists)
 
     deployment = world.deployment
     current = (deployment or {}).get("spec", {}).get("replicas", 0) if deployment else 0
     quota: QuotaDecision | None = None
     desired_children: list[dict] = []
-    grant: Grant | None = None
+    held: Held | None = None
     requested = desired = current
     gpus = 0
     if spec is not None and not problems:
@@ -89,12 +87,13 @@ def plan(obj: dict, world: World) -> Plan:
             gpus_per_replica=gpus,
             requested=requested,
             current=current,
-            used_by_others=used_gpus(world.other_grants, tenant or "", spec.resources.gpu_type),
+            used_by_others=used_gpus(world.held_by_others, tenant or "", spec.resources.gpu_type),
         )
         desired = quota.replicas
         decision = Decision(tenant=tenant or NO_TENANT, replicas=desired)
         desired_children = children(owner, spec, decision, world.config)
-        grant = Grant(tenant or NO_TENANT, spec.resources.gpu_type, desired * gpus)
+        key = (owner.namespace, owner.name)
+        held = Held(key, tenant or NO_TENANT, spec.resources.gpu_type, desired * gpus)
     elif spec is not None:
         gpus = spec.resources.gpus
 
@@ -115,7 +114,7 @@ def plan(obj: dict, world: World) -> Plan:
         children=desired_children,
         status=status,
         events=_events(previous, status),
-        grant=grant,
+        held=held,
         problems=problems,
     )
 

@@ -1,7 +1,9 @@
 """Semantic validation: specs that are well-formed (the CRD schema passed them) but wrong in meaning.
 
 Pure: what the rules need from the world (the GPU types the nodes offer, whether a path exists) is passed
-in. Each problem names the field, what is wrong and what would be right.
+in. Each problem names the field, what is wrong and what would be right. `check` is the one entry point:
+the reconciler's Valid condition and the admission webhook's refusals both come from it, worded by
+`describe`, so a person reads the same message in either place.
 """
 
 from __future__ import annotations
@@ -39,13 +41,32 @@ def parse_spec(raw: dict) -> tuple[InferenceServiceSpec | None, list[Problem]]:
         return None, problems
 
 
+def check(
+    raw: dict,
+    *,
+    gpu_types: Iterable[str] | None = None,
+    path_exists: Callable[[str], bool] | None = None,
+) -> tuple[InferenceServiceSpec | None, list[Problem]]:
+    """The typed spec (None when it does not parse) and every problem with it."""
+    spec, problems = parse_spec(raw)
+    if spec is None:
+        return None, problems
+    return spec, validate(spec, gpu_types=gpu_types, path_exists=path_exists)
+
+
+def describe(problems: Iterable[Problem]) -> str:
+    """What a person is told about an invalid spec (the Valid condition's message, the webhook's refusal)."""
+    return "; ".join(str(p) for p in problems)
+
+
 def validate(
     spec: InferenceServiceSpec,
     *,
-    gpu_types: Iterable[str],
+    gpu_types: Iterable[str] | None,
     path_exists: Callable[[str], bool] | None,
 ) -> list[Problem]:
-    """Problems with a parsed spec. `path_exists` is None when file paths cannot be checked from here."""
+    """Problems with a parsed spec. The world's rules are skipped when their input is None: `gpu_types`
+    when the nodes are not known here, `path_exists` when file paths cannot be checked from here."""
     problems: list[Problem] = []
     auto = spec.autoscaling
     if auto is not None and auto.min_replicas > auto.max_replicas:
@@ -75,8 +96,8 @@ def validate(
         except ValueError as exc:
             problems.append(Problem("spec.engine.kvCacheMemory", str(exc), "InvalidQuantity"))
     gpu_type = spec.resources.gpu_type
-    known = sorted(set(gpu_types))
-    if gpu_type is not None and gpu_type not in known:
+    known = sorted(set(gpu_types or ()))
+    if gpu_types is not None and gpu_type is not None and gpu_type not in known:
         offered = ", ".join(known) if known else "none"
         problems.append(
             Problem(

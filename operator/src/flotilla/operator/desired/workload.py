@@ -20,7 +20,12 @@ from flotilla.contract import (
     engine_base_url,
     engine_serve_argv,
 )
-from flotilla.operator.api.v1alpha1 import API_VERSION, INFERENCE_SERVICE, EngineConfig, InferenceServiceSpec
+from flotilla.operator.api.v1alpha1 import (
+    API_VERSION,
+    INFERENCE_SERVICE,
+    EngineSettings,
+    InferenceServiceSpec,
+)
 from flotilla.operator.config import ENGINE_SHUTDOWN_DELAY, OperatorConfig
 from flotilla.operator.desired.model_source import model_mount, parse_model_uri
 from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, child_labels, selector_labels
@@ -65,7 +70,7 @@ def target_replicas(spec: InferenceServiceSpec) -> int:
     return max(spec.autoscaling.min_replicas, min(spec.replicas, spec.autoscaling.max_replicas))
 
 
-def engine_args(engine: EngineConfig) -> EngineArgs:
+def engine_args(engine: EngineSettings) -> EngineArgs:
     """The spec's engine settings as the contract's EngineArgs (unset ones keep the engine's defaults)."""
     return EngineArgs(
         max_num_seqs=engine.max_num_seqs,
@@ -78,7 +83,7 @@ def engine_args(engine: EngineConfig) -> EngineArgs:
     )
 
 
-def engine_flags(engine: EngineConfig) -> list[str]:
+def engine_flags(engine: EngineSettings) -> list[str]:
     """`flotilla engine serve` flags for the engine settings in the spec."""
     return engine_args(engine).flags()
 

@@ -11,6 +11,8 @@ import yaml
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT
 from flotilla.operator.tenancy import rbac as tenant_rbac
 
+NAMESPACE = "flotilla-system"  # the operator's own; MANIFEST_FILE is rendered for it
+MANIFEST_FILE = "deploy/operator-rbac.yaml"  # relative to the repository root
 SERVICE_ACCOUNT = "flotilla-operator"
 PEERING = "flotilla"  # the ClusterKopfPeering object the operator's replicas meet in
 ROLE = "flotilla-operator"

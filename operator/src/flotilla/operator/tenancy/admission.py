@@ -1,4 +1,5 @@
-"""Admission of InferenceServices against their Tenant's quota. Pure, apart from the ledger's lock.
+"""Admission of InferenceServices against their Tenant's quota: what a service is charged, and whether
+its tenant may hold that. Pure. The counting (what is held, what is in use, what fits) is quota.py's.
 
 What a service is charged at admission (`charge`):
 - a fixed service: replicas x gpus;
@@ -6,7 +7,7 @@ What a service is charged at admission (`charge`):
   while applying. Charging minReplicas would admit services whose autoscalers then compete for the
   same GPUs at runtime, and the loser's latency target silently breaks exactly when load is high
   (the problem LLMKube #1338 shows). Charging the maximum means every admitted service can always
-  reach its maxReplicas; the runtime clamp (quota.py) stays as the backstop for quotas lowered later.
+  reach its maxReplicas; the runtime clamp (quota.decide) stays as the backstop for quotas lowered later.
 
 Updates that do not raise a service's charge are always admitted, so a lowered quota never blocks
 edits, the operator's own annotation writes, or scaling down.
@@ -14,14 +15,11 @@ edits, the operator's own annotation writes, or scaling down.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flotilla.operator.api.v1alpha1 import InferenceServiceSpec, TenantSpec
-
-Key = tuple[str, str]  # (namespace, name)
+from flotilla.operator.tenancy.quota import Headroom, Held, Key, limit_of, used_gpus
 
 
 @dataclass(frozen=True)
@@ -44,19 +42,11 @@ def charge(spec: InferenceServiceSpec) -> Charge:
 
 
 @dataclass(frozen=True)
-class Held:
-    """What one other service of the tenant is charged."""
-
-    key: Key
-    gpu_type: str | None
-    gpus: int
-
-
-@dataclass(frozen=True)
 class Verdict:
     allowed: bool
     message: str
     reason: str
+    code: int = 403  # the HTTP status of a refusal: 403 for quota, 422 for a spec that is invalid
 
 
 def review(
@@ -69,7 +59,7 @@ def review(
     others: Iterable[Held],
 ) -> Verdict:
     """Whether the tenant may hold `new` for this service. `old` is the stored object's charge (None on
-    create); `others` are the tenant's other services."""
+    create); `others` are what the tenant's other services hold (other tenants' entries are ignored)."""
     namespace, name = key
     if old is not None and old.gpu_type == new.gpu_type and new.gpus <= old.gpus:
         # Also the operator's own writes (annotations, finalizers) and everything in a namespace that
@@ -83,7 +73,7 @@ def review(
             "there is no quota to charge; ask the platform team to add the namespace to a Tenant",
             "NoTenant",
         )
-    others = list(others)
+    others = [h for h in others if h.tenant == tenant]
     if old is None and tenant_spec.max_services is not None and len(others) >= tenant_spec.max_services:
         return Verdict(
             False,
@@ -94,8 +84,9 @@ def review(
         )
     if new.gpus == 0:
         return Verdict(True, f"tenant {tenant}: no GPUs asked", "NoGPUs")
-    quota = tenant_spec.gpu_quota
-    if new.gpu_type is None or new.gpu_type not in quota:
+    limit = limit_of(tenant_spec, new.gpu_type)
+    if limit is None:
+        quota = tenant_spec.gpu_quota
         named = f"GPU type {new.gpu_type!r}" if new.gpu_type else "no spec.resources.gpuType"
         return Verdict(
             False,
@@ -104,52 +95,20 @@ def review(
             f"{', '.join(f'{t} (limit {n})' for t, n in sorted(quota.items())) or 'no GPU types'}",
             "GPUTypeNotInQuota",
         )
-    limit = quota[new.gpu_type]
-    same_type = [h for h in others if h.gpu_type == new.gpu_type and h.gpus]
-    in_use = sum(h.gpus for h in same_type)
-    if in_use + new.gpus <= limit:
+    room = Headroom(limit, used_gpus(others, tenant, new.gpu_type))
+    if room.admits(new.gpus):
         return Verdict(
             True,
-            f"tenant {tenant}: {new.gpus} {new.gpu_type} GPUs admitted; {in_use + new.gpus} of {limit} in use",
+            f"tenant {tenant}: {new.gpus} {new.gpu_type} GPUs admitted; "
+            f"{room.in_use + new.gpus} of {limit} in use",
             "WithinQuota",
         )
-    holders = ", ".join(f"{ns}/{n}: {h.gpus}" for (ns, n), h in sorted((h.key, h) for h in same_type))
+    same_type = sorted((h for h in others if h.gpu_type == new.gpu_type and h.gpus), key=lambda h: h.key)
+    holders = ", ".join(f"{'/'.join(h.key)}: {h.gpus}" for h in same_type)
     return Verdict(
         False,
         f"tenant {tenant}: InferenceService {namespace}/{name} asks for {new.how} = {new.gpus} "
-        f"{new.gpu_type} GPUs, but the tenant's {new.gpu_type} quota is {limit} and {in_use} are in use"
-        f"{f' ({holders})' if holders else ''}; {max(0, limit - in_use)} remain",
+        f"{new.gpu_type} GPUs, but the tenant's {new.gpu_type} quota is {limit} and {room.in_use} are in "
+        f"use{f' ({holders})' if holders else ''}; {room.remaining} remain",
         "QuotaExceeded",
     )
-
-
-class Ledger:
-    """Makes check-then-admit atomic. The API server may send two reviews at once; the watch that feeds
-    the service index delivers an admitted object only later. So each admission holds its charge here
-    until the index shows the object with that charge, or `ttl` seconds pass (then the object was never
-    stored, or it was, and the index has it). Until then a reservation counts as in use: erring towards
-    refusing, never towards over-quota."""
-
-    def __init__(self, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self._lock = threading.Lock()
-        self._reserved: dict[Key, tuple[str, Held, float]] = {}  # key -> (tenant, charge, expiry)
-        self._ttl = ttl
-        self._clock = clock
-
-    def held(self, tenant: str, indexed: Mapping[Key, tuple[str, Held]], exclude: Key) -> list[Held]:
-        """What the tenant's services other than `exclude` hold: indexed charges, overridden by
-        reservations the index has not caught up with. Call under `lock()`."""
-        now = self._clock()
-        for key, (_, held, expiry) in list(self._reserved.items()):
-            seen = indexed.get(key)
-            if expiry <= now or (seen is not None and seen[1] == held):
-                del self._reserved[key]
-        merged = {k: v for k, v in indexed.items()}
-        merged.update({k: (t, h) for k, (t, h, _) in self._reserved.items()})
-        return [h for k, (t, h) in merged.items() if t == tenant and k != exclude]
-
-    def reserve(self, tenant: str, held: Held) -> None:
-        self._reserved[held.key] = (tenant, held, self._clock() + self._ttl)
-
-    def lock(self) -> threading.Lock:
-        return self._lock

@@ -1,21 +1,16 @@
-"""Tenancy's kopf layer (the admission webhook is in admission_handlers.py): indexes of namespaces
-and GPU pods, and each Tenant's RBAC, ResourceQuota and metering.
+"""Metering's kopf layer: an index of GPU pods, the spans of pods removed between rounds, and one daemon
+per Tenant that, every metering interval, applies the Tenant's access objects when they changed
+(tenant_access.py) and then meters (lastMeteredTime, now] into Tenant.status with one conditional PUT.
 
-Thin on purpose; the decisions are in tenancy.py, tenant_rbac.py and metering.py.
-- One daemon per Tenant, every metering interval: apply the Tenant's RBAC and ResourceQuota when they
-  changed, then meter (lastMeteredTime, now] and write Tenant.status with one conditional PUT.
+Thin on purpose; the counting is tenancy/metering.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import threading
 import time
 
 import kopf
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from flotilla.operator.api.v1alpha1 import (
@@ -28,13 +23,13 @@ from flotilla.operator.api.v1alpha1 import (
     TokenCount,
 )
 from flotilla.operator.clients.token_scrape import read_token_counters
-from flotilla.operator.controllers.services import labels_by_namespace, runtime
+from flotilla.operator.controllers.indexes import labels_by_namespace
+from flotilla.operator.controllers.state import MeteringState, Runtime
+from flotilla.operator.controllers.tenant_access import sync_objects
 from flotilla.operator.desired.status import merge_transition_times
 from flotilla.operator.metrics import API_CALLS
-from flotilla.operator.naming import FIELD_MANAGER, GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL, TENANT_LABEL
-from flotilla.operator.tenancy import rbac as tenant_rbac
+from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL, TENANT_LABEL
 from flotilla.operator.tenancy.metering import (
-    Span,
     cost,
     count_tokens,
     format_time,
@@ -46,19 +41,8 @@ from flotilla.operator.tenancy.metering import (
 )
 from flotilla.operator.tenancy.metering_metrics import TENANTS
 from flotilla.operator.tenancy.rules import namespaces_of
-from flotilla.operator.tenancy.settings import TenancySettings
 
 log = logging.getLogger("flotilla.operator.tenancy.rules")
-
-SETTINGS = TenancySettings()  # set by runner.py before kopf starts
-_ended: dict[str, Span] = {}  # pod uid -> span of a pod removed since the last metering round
-_ended_lock = threading.Lock()
-_applied: dict[str, str] = {}  # tenant -> digest of the RBAC/ResourceQuota objects last applied
-APPLY = "application/apply-patch+yaml"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Indexes
 
 
 def _compact_pod(body) -> dict:
@@ -118,75 +102,36 @@ def gpu_pods(namespace: str, body: kopf.Body, **_) -> dict:
 
 
 @kopf.on.event("", "v1", "pods")
-def pod_removed(event: dict, body: kopf.Body, **_) -> None:
+def pod_removed(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
     if event.get("type") != "DELETED":
         return
     span = span_of(_compact_pod(body), removed_at=time.time())
     if span is not None:
-        with _ended_lock:
-            _ended[span.uid] = span
+        state: MeteringState = memo.metering
+        with state.lock:
+            state.ended[span.uid] = span
 
 
 # ---------------------------------------------------------------------------------------------------
-# Per Tenant: RBAC, ResourceQuota, metering
+# Per Tenant
 
 
-def _sync_objects(name: str, uid: str, spec: TenantSpec, labels: dict) -> None:
-    existing = [ns for ns in namespaces_of(spec, labels) if ns in labels]
-    objects = tenant_rbac.desired_objects(name, uid, spec, existing)
-    digest = hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()
-    if _applied.get(name) == digest:
-        return
-    kube = runtime().kube
-    rbac = client.RbacAuthorizationV1Api(kube.custom.api_client)
-    apply = {
-        "ClusterRole": lambda o: rbac.patch_cluster_role(o["metadata"]["name"], o, **_ssa()),
-        "ClusterRoleBinding": lambda o: rbac.patch_cluster_role_binding(o["metadata"]["name"], o, **_ssa()),
-        "RoleBinding": lambda o: rbac.patch_namespaced_role_binding(
-            o["metadata"]["name"], o["metadata"]["namespace"], o, **_ssa()
-        ),
-        "ResourceQuota": lambda o: kube.core.patch_namespaced_resource_quota(
-            o["metadata"]["name"], o["metadata"]["namespace"], o, **_ssa()
-        ),
-    }
-    for obj in objects:
-        API_CALLS.labels(verb="apply", resource=obj["kind"]).inc()
-        apply[obj["kind"]](obj)
-    # Namespaces the Tenant no longer claims lose its RoleBinding and ResourceQuota.
-    selector = f"{TENANT_LABEL}={name}"
-    keep = set(existing)
-    for item in rbac.list_role_binding_for_all_namespaces(label_selector=selector).items:
-        if item.metadata.namespace not in keep:
-            rbac.delete_namespaced_role_binding(item.metadata.name, item.metadata.namespace)
-    for item in kube.core.list_resource_quota_for_all_namespaces(label_selector=selector).items:
-        if item.metadata.namespace not in keep:
-            kube.core.delete_namespaced_resource_quota(item.metadata.name, item.metadata.namespace)
-    _applied[name] = digest
-    log.info(
-        "tenant %s: applied RBAC and ResourceQuota for namespaces %s", name, ", ".join(existing) or "none"
-    )
-
-
-def _ssa() -> dict:
-    return {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
-
-
-def _meter(name: str, kwargs: dict) -> None:
+def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     """One metering round: read the Tenant, add (lastMeteredTime, now], write it back conditionally."""
-    custom = runtime().kube.custom
+    custom = rt.kube.custom
     API_CALLS.labels(verb="get", resource="tenants").inc()
     obj = custom.get_cluster_custom_object(GROUP, VERSION, TENANT.plural, name)
     spec = TenantSpec.model_validate(obj.get("spec") or {})
     status = TenantStatus.model_validate(obj.get("status") or {})
     labels = labels_by_namespace(kwargs["namespace_labels"])
-    _sync_objects(name, obj["metadata"]["uid"], spec, labels)
+    sync_objects(rt.kube, state.applied, name, obj["metadata"]["uid"], spec, labels)
     mine = set(namespaces_of(spec, labels))
 
     now = time.time()
     pods = [p for ns in mine for p in kwargs["gpu_pods"].get(ns, [])]
     spans = {s.uid: s for s in (span_of(p) for p in pods) if s is not None}
-    with _ended_lock:
-        ended = {uid: s for uid, s in _ended.items() if s.namespace in mine}
+    with state.lock:
+        ended = {uid: s for uid, s in state.ended.items() if s.namespace in mine}
     spans.update(ended)
     ledger = meter(status.ledger, spans.values(), parse_time(status.last_metered_time), now)
 
@@ -232,10 +177,10 @@ def _meter(name: str, kwargs: dict) -> None:
     }
     API_CALLS.labels(verb="update", resource="tenants/status").inc()
     custom.replace_cluster_custom_object_status(GROUP, VERSION, TENANT.plural, name, body)
-    with _ended_lock:
+    with state.lock:
         for uid, span in ended.items():
-            if _ended.get(uid) is span:
-                del _ended[uid]
+            if state.ended.get(uid) is span:
+                del state.ended[uid]
     TENANTS.update(name, new_status)
 
 
@@ -258,10 +203,12 @@ def _conditions(name: str, spec: TenantSpec, allocated: dict[str, int]) -> list[
 
 
 @kopf.daemon(GROUP, VERSION, TENANT.plural, cancellation_timeout=10)
-def meter_tenant(stopped: kopf.DaemonStopped, name: str, **kwargs) -> None:
+def meter_tenant(stopped: kopf.DaemonStopped, name: str, memo: kopf.Memo, **kwargs) -> None:
+    rt: Runtime = memo.runtime
+    state: MeteringState = memo.metering
     while not stopped:
         try:
-            _meter(name, kwargs)
+            _meter(rt, state, name, kwargs)
         except ApiException as exc:
             if exc.status == 409:  # the Tenant changed since we read it: the next round covers this one
                 log.info("tenant %s: metering round skipped (conflict)", name)
@@ -272,5 +219,5 @@ def meter_tenant(stopped: kopf.DaemonStopped, name: str, **kwargs) -> None:
                 log.warning("tenant %s: metering round failed: %s", name, exc)
         except Exception as exc:  # one bad round must not end metering for good
             log.warning("tenant %s: metering round failed: %s", name, exc, exc_info=exc)
-        stopped.wait(SETTINGS.metering_interval_seconds)
-    _applied.pop(name, None)
+        stopped.wait(rt.tenancy.metering_interval_seconds)
+    state.applied.pop(name, None)

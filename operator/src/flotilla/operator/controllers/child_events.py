@@ -1,0 +1,70 @@
+"""Events of the children the operator owns (Deployments, Services, PodDisruptionBudgets, pods):
+correct drift by re-applying what changed, and refresh the owner's status."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from flotilla.operator.controllers import indexes
+from flotilla.operator.controllers.indexes import MANAGED, index_one, plain
+from flotilla.operator.controllers.sync import going_away, sync
+from flotilla.operator.naming import SERVICE_LABEL
+
+log = logging.getLogger("flotilla.operator")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+def deployment_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, **kwargs) -> None:
+    _child_event(event, namespace, labels, memo, kwargs, check_drift=True)
+
+
+@kopf.on.event("", "v1", "services", labels=MANAGED)
+def k8s_service_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, **kwargs) -> None:
+    _child_event(event, namespace, labels, memo, kwargs, check_drift=True)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+def pdb_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, **kwargs) -> None:
+    _child_event(event, namespace, labels, memo, kwargs, check_drift=True)
+
+
+@kopf.on.event("", "v1", "pods", labels=MANAGED)
+def pod_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, **kwargs) -> None:
+    _child_event(event, namespace, labels, memo, kwargs, check_drift=False)
+
+
+def _child_event(
+    event: dict, namespace: str, labels: dict, memo: kopf.Memo, kwargs: dict, *, check_drift: bool
+) -> None:
+    if event.get("type") == "DELETED":
+        # A deleted child of a live owner is re-created; with the owner gone, GC did it and it stays gone.
+        check_drift = True
+    owner = labels.get(SERVICE_LABEL)
+    obj = index_one(kwargs["services"], (namespace, owner)) if owner else None
+    if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
+        return
+    observed = plain(event.get("object") or {})
+    if event.get("type") == "DELETED":
+        observed = {"kind": observed.get("kind")}
+    try:
+        sync(
+            memo.runtime,
+            obj,
+            indexes.of(kwargs),
+            "child",
+            mode="drift",
+            observed=observed if check_drift else {},
+        )
+    except Exception as exc:
+        _log_failure(exc, "refreshing %s/%s after a child event", namespace, owner)
+
+
+def _log_failure(exc: Exception, what: str, *args) -> None:
+    """Event-driven refreshes are not retried by kopf; the next event or resume repairs them. An owner or
+    namespace that is going away is expected (watch events of different kinds arrive in any order)."""
+    if getattr(exc, "status", None) == 404 or going_away(exc):
+        log.info(what + " skipped: the object or its namespace is being deleted", *args)
+    else:
+        log.error(what + " failed: %s", *args, exc, exc_info=exc)

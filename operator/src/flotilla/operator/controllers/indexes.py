@@ -1,0 +1,93 @@
+"""In-memory indexes, filled by kopf from watches before any handler runs, so that a reconcile reads no
+API: nodes' GPU types, Tenants, namespaces' labels, InferenceServices, and the Deployments and pods the
+operator owns. Also the readers that turn an index into what the pure code wants."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
+from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL
+
+log = logging.getLogger("flotilla.operator")
+
+ISVC = (GROUP, VERSION, INFERENCE_SERVICE.plural)
+MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
+NAMES = ("gpu_nodes", "tenants", "namespace_labels", "services", "deployments", "pods")
+
+
+@kopf.index("", "v1", "nodes")
+def gpu_nodes(name: str, labels: dict, **_) -> dict:
+    gpu_type = labels.get(GPU_TYPE_LABEL)
+    return {gpu_type: name} if gpu_type else {}
+
+
+@kopf.index(GROUP, VERSION, TENANT.plural)
+def tenants(name: str, spec: dict, **_) -> dict:
+    return {name: dict(spec)}
+
+
+@kopf.index("", "v1", "namespaces")
+def namespace_labels(name: str, labels: dict, **_) -> dict:
+    """Tenants claim namespaces by name and by label (spec.namespaceSelector)."""
+    return {name: dict(labels)}
+
+
+@kopf.index(*ISVC)
+def services(namespace: str, name: str, body: kopf.Body, **_) -> dict:
+    return {(namespace, name): plain(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+def deployments(namespace: str, labels: dict, body: kopf.Body, **_) -> dict:
+    owner = labels.get(SERVICE_LABEL)
+    return {(namespace, owner): plain(body)} if owner else {}
+
+
+@kopf.index("", "v1", "pods", labels=MANAGED)
+def pods(namespace: str, labels: dict, body: kopf.Body, **_) -> dict:
+    owner = labels.get(SERVICE_LABEL)
+    if not owner:
+        return {}
+    meta = {k: body.meta[k] for k in ("name", "deletionTimestamp") if body.meta.get(k)}
+    return {(namespace, owner): {"metadata": meta, "status": plain(body.get("status") or {})}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Readers
+
+
+def of(kwargs: dict) -> dict:
+    """The indexes among a handler's keyword arguments (kopf passes each by its function's name)."""
+    return {name: kwargs[name] for name in NAMES}
+
+
+def plain(value):
+    """kopf bodies are read-only views; plan wants plain data (without managedFields' bulk)."""
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: plain(v) for k, v in value.items() if k != "managedFields"}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def index_one(index: kopf.Index, key) -> dict | None:
+    store = index.get(key)
+    return next(iter(store), None) if store is not None else None
+
+
+def labels_by_namespace(index: kopf.Index) -> dict[str, dict]:
+    return {name: next(iter(store), {}) for name, store in index.items()}
+
+
+def tenant_specs(tenants: kopf.Index) -> dict[str, TenantSpec]:
+    specs = {}
+    for name, store in tenants.items():
+        for raw in store:
+            try:
+                specs[name] = TenantSpec.model_validate(raw)
+            except ValueError as exc:  # a Tenant the schema let through but we cannot read
+                log.warning("ignoring Tenant %s: %s", name, exc)
+    return specs

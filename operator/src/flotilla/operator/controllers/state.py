@@ -1,0 +1,61 @@
+"""What the handlers share across calls, built once at start-up (`new_memo`, called by runner.py) and
+handed to every handler by kopf as `memo`: `memo.runtime` is a Runtime, `memo.metering` a
+MeteringState, `memo.admission` an AdmissionState. kopf gives each object a shallow copy of the memo, so
+these objects are shared by all; handlers change them, never rebind them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import kopf
+
+from flotilla.operator.api.v1alpha1 import TenantSpec
+from flotilla.operator.clients.kube import Kube
+from flotilla.operator.config import OperatorConfig
+from flotilla.operator.tenancy.metering import Span
+from flotilla.operator.tenancy.quota import Key, Ledger
+from flotilla.operator.tenancy.settings import TenancySettings
+
+
+@dataclass
+class Runtime:
+    """The reconciler's: configuration, the API client, and what it remembers between reconciles."""
+
+    config: OperatorConfig
+    kube: Kube
+    tenancy: TenancySettings = field(default_factory=TenancySettings)
+    peering_name: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # plan-and-hold as one step; key_locks
+    held: Ledger = field(default_factory=Ledger)  # the quota each service's Deployment holds
+    held_seeded: bool = False
+    # The last status we wrote, which may be newer than the index.
+    written_status: dict[Key, dict] = field(default_factory=dict)
+    refused: dict[Key, dict[str, str]] = field(default_factory=dict)  # kind -> why the API refused it
+    key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one sync at a time per service
+    gpu_types: frozenset[str] = frozenset()
+    namespace_labels: dict[str, dict] = field(default_factory=dict)  # as last seen, to spot label changes
+
+
+@dataclass
+class MeteringState:
+    """Between metering rounds: spans of pods removed since the last round, and what RBAC was applied."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: dict[str, Span] = field(default_factory=dict)  # pod uid -> span of a removed pod
+    applied: dict[str, str] = field(default_factory=dict)  # tenant -> digest of its RBAC/ResourceQuota
+
+
+@dataclass
+class AdmissionState:
+    """The webhook's: what it admitted that the watches may not show yet."""
+
+    held: Ledger = field(default_factory=Ledger)  # what each service is charged, reservations included
+    # Tenants admitted moments ago that the index may not show yet: name -> (spec, expiry).
+    recent_tenants: dict[str, tuple[TenantSpec, float]] = field(default_factory=dict)
+    tenants_lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+def new_memo(runtime: Runtime) -> kopf.Memo:
+    return kopf.Memo(runtime=runtime, metering=MeteringState(), admission=AdmissionState())

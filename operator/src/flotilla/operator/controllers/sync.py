@@ -1,0 +1,172 @@
+"""One service brought in line with its plan: gather a World from the indexes, call the pure `plan`,
+server-side apply the children, write status when it changed, post the plan's events. Every handler
+that reconciles (the service's own, its children's, the world's) goes through `sync` or `retry_services`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from flotilla.operator.clients.kube import api_error_message
+from flotilla.operator.controllers.indexes import index_one, labels_by_namespace, tenant_specs
+from flotilla.operator.controllers.state import Runtime
+from flotilla.operator.desired.drift import drifted
+from flotilla.operator.desired.reconcile import Event, Plan, World, plan, status_changed
+from flotilla.operator.desired.status import with_apply_failures
+from flotilla.operator.metrics import RECONCILE_DURATION, RECONCILE_ERRORS, RECONCILES
+from flotilla.operator.tenancy.quota import Held, Key
+from flotilla.operator.tenancy.rules import tenant_of
+
+log = logging.getLogger("flotilla.operator")
+
+
+class ApplyFailed(Exception):
+    pass
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def sync(
+    rt: Runtime, obj: dict, idx: dict, trigger: str, *, mode: str = "full", observed: dict | None = None
+) -> Plan:
+    """Plan one service and carry the plan out (see _to_apply for the modes)."""
+    meta = obj["metadata"]
+    key = (meta["namespace"], meta["name"])
+    RECONCILES.labels(trigger).inc()
+    with _key_lock(rt, key), RECONCILE_DURATION.labels(trigger).time():
+        try:
+            result = _plan(rt, obj, key, idx)
+            to_apply = _to_apply(result, mode, observed, index_one(idx["deployments"], key))
+            if mode == "drift" and to_apply:
+                log.info(
+                    "correcting drift of %s %s/%s: %s",
+                    observed.get("kind"),
+                    *key,
+                    drifted(observed, to_apply[0]),
+                )
+            _write(rt, obj, result, key, apply=to_apply)
+            return result
+        except Exception:
+            RECONCILE_ERRORS.labels(trigger).inc()
+            raise
+
+
+def retry_services(rt: Runtime, idx: dict, wanted: Callable[[dict, dict], bool], trigger: str) -> None:
+    """Sync every service for which wanted(obj, {condition type: status}) holds: the world changed in a
+    way that may unblock it."""
+    for store in list(idx["services"].values()):
+        for obj in store:
+            if wanted(obj, conditions(obj)):
+                try:
+                    sync(rt, obj, idx, trigger, mode="retry")
+                except Exception:
+                    log.exception(
+                        "retrying %s/%s failed", obj["metadata"]["namespace"], obj["metadata"]["name"]
+                    )
+
+
+def conditions(obj: dict) -> dict[str, str]:
+    return {c.get("type"): c.get("status") for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+def going_away(exc: Exception) -> bool:
+    """The API refused because the object's namespace is being deleted."""
+    return getattr(exc, "status", None) == 403 and "being terminated" in str(getattr(exc, "body", ""))
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _key_lock(rt: Runtime, key: Key) -> threading.Lock:
+    with rt.lock:
+        return rt.key_locks.setdefault(key, threading.Lock())
+
+
+def _seed_held(rt: Runtime, idx: dict) -> None:
+    """After a restart, the ledger starts from what services' status says they were granted."""
+    specs, labels = tenant_specs(idx["tenants"]), labels_by_namespace(idx["namespace_labels"])
+    seeds = []
+    for key, store in idx["services"].items():
+        for obj in store:
+            spec, status = obj.get("spec") or {}, obj.get("status") or {}
+            resources = spec.get("resources") or {}
+            tenant = tenant_of(key[0], specs, labels) or ""
+            gpus = status.get("desiredReplicas", 0) * resources.get("gpus", 1)
+            seeds.append(Held(key, tenant, resources.get("gpuType"), gpus))
+    rt.held.seed(seeds)
+    rt.held_seeded = True
+
+
+def _plan(rt: Runtime, obj: dict, key: Key, idx: dict) -> Plan:
+    written = rt.written_status.get(key)
+    if written is not None:
+        # Our own last write may be newer than the watch has delivered; transition times come from it.
+        obj = {**obj, "status": written}
+    with rt.lock:  # two services of one tenant must not both plan against the same free quota
+        if not rt.held_seeded:
+            _seed_held(rt, idx)
+        world = World(
+            config=rt.config,
+            now=now(),
+            gpu_types=set(idx["gpu_nodes"].keys()),
+            tenants=tenant_specs(idx["tenants"]),
+            namespace_labels=labels_by_namespace(idx["namespace_labels"]),
+            held_by_others=rt.held.others(key),
+            deployment=index_one(idx["deployments"], key),
+            pods=list(idx["pods"].get(key, [])),
+            path_exists=os.path.isdir if rt.config.check_local_model_paths else None,
+        )
+        result = plan(obj, world)
+        if result.held is not None:
+            rt.held.hold(result.held)
+    return result
+
+
+def _to_apply(result: Plan, mode: str, observed: dict | None, indexed_deployment: dict | None) -> list[dict]:
+    """Which desired children to send. Applying is idempotent; this only saves calls."""
+    if mode == "full":
+        return result.children
+    if mode == "drift":  # one child changed (or vanished): re-apply it if it no longer matches
+        assert observed is not None
+        return [c for c in result.children if c["kind"] == observed.get("kind") and drifted(observed, c)]
+    # "retry": the world changed; the Deployment carries what a retry can change (replicas, tenant label)
+    if indexed_deployment is None:
+        return result.children
+    return [c for c in result.children if c["kind"] == "Deployment" and drifted(indexed_deployment, c)]
+
+
+def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[dict]) -> None:
+    # Remembered until that kind is applied successfully, so status does not flip back and forth
+    # between refreshes that re-apply nothing.
+    refused = rt.refused.setdefault(key, {})
+    for child in apply:
+        try:
+            rt.kube.apply(child)
+            refused.pop(child["kind"], None)
+        except ApiException as exc:
+            if exc.status == 404 or going_away(exc):
+                raise
+            refused[child["kind"]] = f"{child['kind']} {key[1]}: {api_error_message(exc)}"
+    failures = list(refused.values()) if result.children else []
+    status, events = result.status, list(result.events)
+    if failures:
+        status = with_apply_failures(status, failures, now())
+        before = rt.written_status.get(key, obj.get("status")) or {}
+        if before.get("message") != status["message"]:
+            events.append(Event("Warning", "ApplyFailed", status["message"]))
+    current = rt.written_status.get(key, obj.get("status"))
+    if status_changed(current, status):
+        rt.kube.patch_status(key[0], key[1], status)
+        rt.written_status[key] = status
+    for event in events:
+        kopf.event(obj, type=event.type, reason=event.reason, message=event.message[:1000])
+    if failures and any(child["kind"] in refused for child in apply):
+        raise ApplyFailed("; ".join(failures))
