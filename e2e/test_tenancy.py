@@ -348,6 +348,12 @@ def _pods(cluster, namespace) -> list[dict]:
     return cluster.get_json("pods", "-n", namespace)["items"]
 
 
+def _bound_pods(cluster, namespace: str, count: int) -> list[dict] | None:
+    """The namespace's pods once exactly `count` of them are bound to nodes."""
+    bound = [p for p in _pods(cluster, namespace) if p["spec"].get("nodeName")]
+    return bound if len(bound) == count else None
+
+
 def _scheduled(pod: dict) -> float:
     cond = next(c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled")
     return dt.datetime.fromisoformat(cond["lastTransitionTime"].replace("Z", "+00:00")).timestamp()
@@ -371,18 +377,14 @@ def test_metering_survives_killed_operators_and_matches_pod_lifetimes(env, clust
     cluster.kubectl("scale", "fisvc", "chat", "-n", ns, "--replicas", "0")
     wait_for(lambda: not _pods(cluster, ns), 90, "chat's old pods to go")
     cluster.apply(_isvc("metered", replicas=2), ns)
-    pods = wait_for(
-        lambda: (p := [p for p in _pods(cluster, ns) if p["spec"].get("nodeName")]) and len(p) == 2 and p,
-        90,
-        "2 bound pods",
-    )
+    pods = wait_for(lambda: _bound_pods(cluster, ns, 2), 90, "2 bound pods")
     for _ in range(3):
         time.sleep(METERING_INTERVAL * 1.5)
         env.operator.stop(signal.SIGKILL)
         env.operator.start()
     before = cluster.get_json("tenant", tenant)["status"]["lastMeteredTime"]
     status = wait_for(
-        lambda: (s := cluster.get_json("tenant", tenant)["status"])["lastMeteredTime"] != before and s,
+        lambda: _status_if_metered_since(cluster, tenant, before),
         30,
         "a metering round by the restarted operator",
     )
@@ -441,3 +443,9 @@ def test_a_webhook_without_its_namespace_exits_at_once_with_one_line(cluster, tm
     assert f"namespace {missing} does not exist" in output, output
     assert "kubectl apply -f deploy/operator-rbac.yaml" in output, output
     assert time.monotonic() - started < 30, output
+
+
+def _status_if_metered_since(cluster: ClusterHandle, tenant: str, before: str) -> dict | None:
+    """The Tenant's status once a metering round after `before` has written it."""
+    status = cluster.get_json("tenant", tenant)["status"]
+    return status if status["lastMeteredTime"] != before else None

@@ -24,7 +24,7 @@ def sample(params_list, logits=LOGITS, sampler=None):
 def test_greedy_takes_the_argmax_and_reports_logprobs():
     out = sample([{"temperature": 0.0, "logprobs": 2}])
     assert out.token_ids == [5]
-    assert out.logprobs is not None
+    assert out.logprobs[0] is not None
     chosen, top = out.logprobs[0]
     ref = torch.log_softmax(LOGITS[0], -1)
     assert abs(chosen - float(ref[5])) < 1e-6

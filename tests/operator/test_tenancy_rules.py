@@ -29,7 +29,9 @@ def test_namespaces_by_list_and_selector():
 
 def test_a_namespace_claimed_twice_or_an_unpriced_type_is_refused():
     a = TenantSpec(namespaces=["a1"])
-    thief = TenantSpec(namespaces=["a1", "x"], gpu_quota={"h100": 1}, price_per_gpu_hour={"a100": 1.0})
+    thief = TenantSpec.model_validate(
+        {"namespaces": ["a1", "x"], "gpuQuota": {"h100": 1}, "pricePerGPUHour": {"a100": 1.0}}
+    )
     problems = tenant_problems("thief", thief, {"a": a}, {})
     assert "namespace a1 already belongs to tenant a" in problems[0]
     assert "pricePerGPUHour names a100" in problems[1]
@@ -81,7 +83,9 @@ def test_a_missing_operator_namespace_is_named_with_the_manifest_that_creates_it
 
 
 def test_usage_report_all_time_and_by_day():
-    spec = TenantSpec(namespaces=["a1"], gpu_quota={"h100": 2}, price_per_gpu_hour={"h100": 3.6})
+    spec = TenantSpec.model_validate(
+        {"namespaces": ["a1"], "gpuQuota": {"h100": 2}, "pricePerGPUHour": {"h100": 3.6}}
+    )
     status = TenantStatus(
         tokens=TokenCount(input=600_000, output=400_000),
         ledger=MeteringLedger(

@@ -10,6 +10,7 @@ import argparse
 import sys
 from datetime import UTC, date, datetime
 from pathlib import Path
+from typing import cast
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.tenant:
             tenants = [
-                api.get_cluster_custom_object(GROUP, VERSION, TENANT.plural, name) for name in args.tenant
+                cast(dict, api.get_cluster_custom_object(GROUP, VERSION, TENANT.plural, name))
+                for name in args.tenant
             ]
         else:
             tenants = api.list_cluster_custom_object(GROUP, VERSION, TENANT.plural)["items"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -120,7 +121,7 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     """One metering round: read the Tenant, add (lastMeteredTime, now], write it back conditionally."""
     custom = rt.kube.custom
     API_CALLS.labels(verb="get", resource="tenants").inc()
-    obj = custom.get_cluster_custom_object(GROUP, VERSION, TENANT.plural, name)
+    obj = cast(dict, custom.get_cluster_custom_object(GROUP, VERSION, TENANT.plural, name))
     spec = TenantSpec.model_validate(obj.get("spec") or {})
     status = TenantStatus.model_validate(obj.get("status") or {})
     labels = labels_by_namespace(kwargs["namespace_labels"])
