@@ -33,6 +33,12 @@ ENV_TENANT = "FLOTILLA_TENANT"  # the Tenant that owns the pod's namespace ("" w
 ENV_SERVICE = "FLOTILLA_SERVICE"  # the InferenceService's name
 ENV_NAMESPACE = "FLOTILLA_NAMESPACE"
 ENV_API_KEY = "FLOTILLA_API_KEY"  # when set, the engine requires 'Authorization: Bearer <key>'
+# The credential that lets a caller (the gateway) name the tenant of a request in HEADER_TENANT.
+ENV_INTERNAL_TOKEN = "FLOTILLA_INTERNAL_TOKEN"
+
+# -- request headers the engine trusts only from the gateway ---------------------------------------------
+HEADER_TENANT = "X-Flotilla-Tenant"  # the tenant a request is served for (scheduling, metrics)
+HEADER_INTERNAL_TOKEN = "X-Flotilla-Internal-Token"  # must equal the engine's internal token
 
 # -- the engine's metrics (Prometheus names; histograms in seconds) ----------------------------------------
 # Counters are named without `_total`: prometheus_client appends it in the exposition, so a scraper reads
@@ -56,6 +62,16 @@ GENERATION_TOKENS = "flotilla_generation_tokens"
 NUM_PREEMPTIONS = "flotilla_num_preemptions"
 REQUEST_SUCCESS = "flotilla_request_success"
 FINISH_REASONS = ("stop", "length", "abort")
+
+# Per request tenant (label LABEL_TENANT is then the request's tenant; at most a bounded number of distinct
+# tenants, the rest under OTHER_TENANT).
+TENANT_PROMPT_TOKENS = "flotilla_tenant_prompt_tokens"
+TENANT_GENERATION_TOKENS = "flotilla_tenant_generation_tokens"
+TENANT_VIRTUAL_TOKEN_COUNTER = "flotilla_tenant_virtual_token_counter"
+TENANT_NUM_REQUESTS_WAITING = "flotilla_tenant_num_requests_waiting"
+TENANT_TIME_TO_FIRST_TOKEN = "flotilla_tenant_time_to_first_token_seconds"
+OTHER_TENANT = "other"
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 
 
 def counter_total(name: str) -> str:
@@ -81,6 +97,8 @@ FLAG_BLOCK_SIZE = "--block-size"
 FLAG_KV_CACHE_MEMORY = "--kv-cache-memory"
 FLAG_NO_PREFIX_CACHING = "--no-prefix-caching"
 FLAG_DTYPE = "--dtype"
+FLAG_SCHEDULING_POLICY = "--scheduling-policy"
+FLAG_TENANT_WEIGHTS = "--tenant-weights"  # tenant=weight,tenant=weight
 FLAG_FETCH_DEST = "--dest"
 
 
@@ -95,6 +113,8 @@ class EngineArgs:
     kv_cache_bytes: int | None = None
     prefix_caching: bool | None = None  # on in the engine unless False
     dtype: str | None = None
+    scheduling_policy: str | None = None  # one of SCHEDULING_POLICIES
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # fair-share weights, for the fair policy
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def flags(self) -> list[str]:
@@ -106,7 +126,31 @@ class EngineArgs:
         )
         if self.prefix_caching is False:
             flags.append(FLAG_NO_PREFIX_CACHING)
-        return flags + _valued((FLAG_DTYPE, self.dtype)) + list(self.extra_args)
+        flags += _valued((FLAG_DTYPE, self.dtype), (FLAG_SCHEDULING_POLICY, self.scheduling_policy))
+        if self.tenant_weights:
+            flags += [FLAG_TENANT_WEIGHTS, format_tenant_weights(self.tenant_weights)]
+        return flags + list(self.extra_args)
+
+
+def format_tenant_weights(weights: tuple[tuple[str, float], ...] | dict[str, float]) -> str:
+    """`a=2,b=0.5`, sorted by tenant so the same weights always give the same argv."""
+    pairs = sorted(weights.items() if isinstance(weights, dict) else weights)
+    return ",".join(f"{tenant}={weight:g}" for tenant, weight in pairs)
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """The inverse of format_tenant_weights; a ValueError names the bad entry."""
+    weights: dict[str, float] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        tenant, sep, value = entry.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not tenant or not weight > 0:
+            raise ValueError(f"{entry!r} is not tenant=weight with a positive weight (example: team-a=2)")
+        weights[tenant] = weight
+    return weights
 
 
 def _valued(*pairs: tuple[str, object]) -> list[str]:

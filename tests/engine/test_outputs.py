@@ -189,6 +189,7 @@ def test_priorities_are_served_first_when_the_batch_is_full(hf_models):
             max_num_seqs=1,
             kv_cache_memory=1 << 20,
             show_progress=False,
+            scheduling_policy="priority",
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -8,9 +8,11 @@ from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, caching=True):
+def make_scheduler(
+    num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, caching=True, policy="priority"
+):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), kv)
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_len, policy=policy), kv)
 
 
 def req(rid, n_prompt, max_tokens=4, priority=0, base=0):

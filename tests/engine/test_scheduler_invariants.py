@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
+from flotilla.engine.core.policy import POLICIES
 from flotilla.engine.core.request import FinishReason, Request, RequestStatus
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -61,12 +62,16 @@ def check_invariants(sched: Scheduler) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ops=ops, num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 48)
+    ops=ops,
+    num_blocks=st.integers(3, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 48),
+    policy=st.sampled_from(POLICIES),
 )
-def test_block_accounting_holds_under_any_sequence(ops, num_blocks, block_size, budget):
+def test_block_accounting_holds_under_any_sequence(ops, num_blocks, block_size, budget, policy):
     max_len = min(num_blocks * block_size, 64)
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=max_len),
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=max_len, policy=policy),
         KVCacheManager(num_blocks, block_size),
     )
     ids = []
@@ -77,7 +82,9 @@ def test_block_accounting_holds_under_any_sequence(ops, num_blocks, block_size, 
             prompt = [prefix * 1000 + i for i in range(n)]
             rid = f"r{len(ids)}"
             ids.append(rid)
-            sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=prio))
+            tenant = "ab"[prefix % 2]
+            params = SamplingParams(max_tokens=max_tokens)
+            sched.add_request(Request(rid, prompt, params, priority=prio, tenant=tenant))
         elif op[0] == "step":
             out = sched.schedule()
             assert out.num_batched_tokens <= budget

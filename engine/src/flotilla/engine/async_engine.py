@@ -70,13 +70,15 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs (new tokens and text each step) until it finishes.
-        arrival_time: when the request reached the server (TTFT counts from it); default now."""
+        arrival_time: when the request reached the server (TTFT counts from it); default now.
+        tenant: who it is served for (the fair policy's unit)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error!r}")
         self.start()
-        request = self.engine.create_request(prompt, params, request_id, priority, arrival_time)
+        request = self.engine.create_request(prompt, params, request_id, priority, arrival_time, tenant)
         rid = request.request_id
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -22,8 +22,17 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int = 0  # torch CPU threads for model steps; 0: torch's default (one per core)
     show_progress: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority | fair (core/policy.py)
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share; absent tenants weigh 1
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}"
+            )
+        for tenant, weight in self.tenant_weights.items():
+            if not weight > 0:
+                raise ValueError(f"tenant_weights[{tenant!r}] must be positive, got {weight}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be 0 (torch's default) or more, got {self.cpu_threads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
+from flotilla.engine.core.fair_share import FairShareConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
 from flotilla.engine.core.outputs import EngineStats, RequestOutput
 from flotilla.engine.core.request import FinishReason, Request
@@ -38,7 +39,13 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                policy=config.scheduling_policy,
+                fair_share=FairShareConfig(tenant_weights=dict(config.tenant_weights)),
+            ),
             self.kv_manager,
         )
         eos = set(self.model_config.eos_token_ids)
@@ -77,6 +84,7 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        tenant: str = "",
     ) -> Request:
         """Tokenizes and validates a request without queueing it (safe to call from any thread)."""
         arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -98,6 +106,7 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
+            tenant=tenant,
         )
 
     def add_request(
@@ -107,8 +116,9 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        tenant: str = "",
     ) -> Request:
-        request = self.create_request(prompt, params, request_id, priority, arrival_time)
+        request = self.create_request(prompt, params, request_id, priority, arrival_time, tenant)
         self.add_created_request(request)
         return request
 

@@ -37,6 +37,8 @@ class Request:
     priority: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.time)
+    # Who the request is served for: the gateway's trusted header, else the engine's own tenant.
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -77,7 +79,3 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    def sort_key(self) -> tuple[int, int]:
-        """Queue order: priority first, then arrival."""
-        return (self.priority, self.arrival_index)

@@ -2,10 +2,10 @@
 
 There are no prefill and decode phases. Every running request's computed tokens catch up with its known
 tokens (prompt + outputs) under a per-step token budget, so a long prompt is prefilled in chunks while
-other requests keep decoding in the same step. Running requests are served first, in priority order;
-when the KV pool runs dry the lowest-priority, newest running request is preempted (its blocks freed,
-recomputed later). Waiting requests are admitted, in priority then arrival order, only in steps that
-preempted nothing. Plain Python, no torch.
+other requests keep decoding in the same step. Running requests are served first, in the policy's order
+(policy.py: fcfs, priority or tenant-fair); when the KV pool runs dry the last of that order is preempted
+(its blocks freed, recomputed later). Waiting requests are admitted in the policy's order only in steps
+that preempted nothing. Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from flotilla.engine.core.fair_share import FairShareConfig, FairShareLedger
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
+from flotilla.engine.core.policy import SchedulingPolicy
 from flotilla.engine.core.request import FinishReason, Request, RequestStatus
 
 
@@ -22,6 +24,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"  # fcfs | priority | fair
+    fair_share: FairShareConfig = field(default_factory=FairShareConfig)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -64,7 +68,11 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.requests: dict[str, Request] = {}
-        # Both queues are kept sorted by (priority, arrival).
+        self.ledger = FairShareLedger(config.fair_share)
+        self.policy = SchedulingPolicy(config.policy, self.ledger)
+        self._queue_key = self.policy.queue_key()
+        self._running_key = self.policy.running_key()
+        # Both queues are kept in the policy's order.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -80,7 +88,8 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=Request.sort_key)
+        self.ledger.arrive(request.tenant)
+        bisect.insort(self.waiting, request, key=self._queue_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -102,6 +111,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
+        self.ledger.leave(request.tenant)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -115,12 +125,14 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         # It keeps its original arrival, so it goes back ahead of everyone who came after it.
-        bisect.insort(self.waiting, request, key=Request.sort_key)
+        bisect.insort(self.waiting, request, key=self._queue_key)
 
     # -- one step ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.policy.reorders_running:
+            self.running.sort(key=self._running_key)  # counters moved since the last step
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -130,7 +142,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]  # lowest priority, newest among equals
+                victim = self.running[-1]  # last in the policy's order
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is request:
@@ -148,18 +160,20 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            index = self.policy.pick(self.waiting)
+            request = self.waiting[index]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
-                break  # head-of-line waits, which keeps FCFS within a priority
-            self.waiting.pop(0)
+                break  # the policy's next request waits for blocks, which keeps the policy's order
+            self.waiting.pop(index)
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
+                self.ledger.charge_prompt(request.tenant, request.num_prompt_tokens)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=Request.sort_key)
+            bisect.insort(self.running, request, key=self._running_key)
             out.scheduled.append(ScheduledRequest.of(request, num_new, num_hit_tokens))
             budget -= num_new
 
@@ -178,6 +192,7 @@ class Scheduler:
                 continue
             token = sampled[request.request_id]
             request.append_output_token(token)
+            self.ledger.charge_generated(request.tenant)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
