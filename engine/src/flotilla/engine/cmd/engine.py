@@ -6,6 +6,7 @@ import argparse
 
 
 def add_commands(subparsers) -> None:
+    from flotilla.engine.bench.fair import add_bench_fair_args
     from flotilla.engine.bench.serve import add_bench_serve_args
     from flotilla.engine.cmd.serve import add_serve_args
     from flotilla.engine.engine_args import thread_count
@@ -69,12 +70,28 @@ def add_commands(subparsers) -> None:
         "--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)"
     )
     offline.set_defaults(func=_bench_offline)
+    fair = kinds.add_parser(
+        "fair",
+        help="two tenants past capacity, one 10x the other: quiet tenant's TTFT, token shares, fcfs vs fair",
+        description="Calibrate the engine's capacity, then send the same Poisson arrivals of a loud and a "
+        "quiet tenant (past capacity) to a fresh engine per policy. Reports per-tenant TTFT p50/p95/p99, "
+        "token shares, Jain's fairness index and throughput, and the fair-vs-fcfs targets (printed, not "
+        "asserted). --json and --png also write them.",
+    )
+    add_bench_fair_args(fair)
+    fair.set_defaults(func=_bench_fair)
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
     from flotilla.engine.bench.offline import run_offline
 
     return run_offline(args)
+
+
+def _bench_fair(args: argparse.Namespace) -> int:
+    from flotilla.engine.bench.fair import run_bench_fair
+
+    return run_bench_fair(args)
 
 
 def _serve(args: argparse.Namespace) -> int:

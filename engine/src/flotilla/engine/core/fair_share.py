@@ -48,6 +48,7 @@ class FairShareLedger:
         self.config = config or FairShareConfig()
         self.tenants: dict[str, TenantService] = defaultdict(TenantService)
         self._idle_floor = 0.0  # where the last active tenant stood when the engine went idle
+        self.num_active = 0  # tenants with a request waiting or running
 
     def counter(self, tenant: str) -> float:
         return self.tenants[tenant].counter
@@ -62,14 +63,17 @@ class FairShareLedger:
             others = [self.tenants[name].counter for name in self.active()]
             floor = min(others) if others else self._idle_floor
             service.counter = max(service.counter, floor)
+            self.num_active += 1
         service.outstanding += 1
 
     def leave(self, tenant: str) -> None:
         """A request of `tenant` finished or was aborted."""
         service = self.tenants[tenant]
         service.outstanding -= 1
-        if service.outstanding == 0 and not self.active():
-            self._idle_floor = service.counter
+        if service.outstanding == 0:
+            self.num_active -= 1
+            if self.num_active == 0:
+                self._idle_floor = service.counter
 
     def charge_prompt(self, tenant: str, num_tokens: int) -> None:
         service = self.tenants[tenant]

@@ -51,8 +51,8 @@ class SchedulingPolicy:
         top = waiting[0].priority
         best, best_counter, seen = 0, self.ledger.counter(waiting[0].tenant), {waiting[0].tenant}
         for index, request in enumerate(waiting):
-            if request.priority != top:
-                break  # sorted: the rest have a lower priority
+            if request.priority != top or len(seen) == self.ledger.num_active:
+                break  # sorted: the rest have a lower priority, or every tenant's first was seen
             if request.tenant in seen:
                 continue  # not this tenant's first waiting request
             seen.add(request.tenant)
