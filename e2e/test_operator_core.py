@@ -96,6 +96,7 @@ def test_schema_rejects_malformed_input_naming_the_field(cluster, operator, name
     cases = {
         "spec.replicas": {"replicas": -1},
         "spec.engine.dtype": {"engine": {"dtype": "int3"}},
+        "spec.engine.schedulingPolicy": {"engine": {"schedulingPolicy": "lottery"}},
         "spec.resources.gpus": {"resources": {"gpus": 99, "gpuType": "h100"}},
         "replicaz": {"replicaz": 3},  # unknown fields are refused by kubectl's strict field validation
     }
@@ -160,8 +161,11 @@ def test_wrong_meaning_is_invalid_with_a_warning_and_nothing_created(
 
 
 def test_service_gets_owned_children_pods_and_status(cluster, operator, namespace, model_dir):
-    cluster.apply(_isvc("chat", model_dir, replicas=2, engine={"maxNumSeqs": 8}), namespace)
+    engine = {"maxNumSeqs": 8, "schedulingPolicy": "fair"}
+    cluster.apply(_isvc("chat", model_dir, replicas=2, engine=engine), namespace)
     dep = wait_for(lambda: _get(cluster, "deployment", "chat", namespace), 60, "the Deployment")
+    command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--scheduling-policy") + 1] == "fair", command
     isvc = _get(cluster, "fisvc", "chat", namespace)
     for kind in ("deployment", "service", "poddisruptionbudget"):
         obj = wait_for(lambda kind=kind: _get(cluster, kind, "chat", namespace), 60, kind)

@@ -30,6 +30,8 @@ ENGINE_SETTINGS = [
     {"prefixCaching": False},
     {"prefixCaching": True},
     {"dtype": "bfloat16"},
+    {"schedulingPolicy": "fair"},
+    {"schedulingPolicy": "priority"},
     {
         "maxNumSeqs": 64,
         "maxNumBatchedTokens": 4096,
@@ -51,7 +53,8 @@ def _built_pods() -> list[tuple[str, InferenceServiceSpec, dict]]:
         spec = InferenceServiceSpec.model_validate(
             {"model": {"uri": uri}, "resources": {"gpus": 1}, "replicas": 1, "engine": engine}
         )
-        dep = deployment(owner, spec, Decision(tenant="team-a", replicas=1), config)
+        decision = Decision(tenant="team-a", replicas=1, tenant_weights=(("team-b", 0.5), ("team-c", 3.0)))
+        dep = deployment(owner, spec, decision, config)
         pod = dep["spec"]["template"]["spec"]
         built.append((f"{uri}|{sorted(engine)}|{config.hf_cache_dir}", spec, pod))
     return built
@@ -83,6 +86,11 @@ def test_every_engine_command_parses_with_the_engines_cli(spec: InferenceService
     assert args.no_prefix_caching is (engine.prefix_caching is False)
     if engine.dtype is not None:
         assert args.dtype == engine.dtype
+    if engine.scheduling_policy is not None:
+        assert args.scheduling_policy == engine.scheduling_policy
+    # The tenants' fair-share weights reach fair engines only (others must not roll on a weight change).
+    fair = engine.scheduling_policy == "fair"
+    assert args.tenant_weights == ({"team-b": 0.5, "team-c": 3.0} if fair else {})
     if "--seed" in engine.extra_args:
         assert args.seed == 7 and args.max_queue == 16
     # The model path the engine reads is the one the volumes put there.

@@ -67,7 +67,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 # tenants, the rest under OTHER_TENANT).
 TENANT_PROMPT_TOKENS = "flotilla_tenant_prompt_tokens"
 TENANT_GENERATION_TOKENS = "flotilla_tenant_generation_tokens"
-TENANT_VIRTUAL_TOKEN_COUNTER = "flotilla_tenant_virtual_token_counter"
+# A gauge in virtual tokens (promtool refuses a metric name that says "counter" for a non-counter).
+TENANT_VIRTUAL_TOKEN_COUNTER = "flotilla_tenant_virtual_tokens"
 TENANT_NUM_REQUESTS_WAITING = "flotilla_tenant_num_requests_waiting"
 TENANT_TIME_TO_FIRST_TOKEN = "flotilla_tenant_time_to_first_token_seconds"
 OTHER_TENANT = "other"

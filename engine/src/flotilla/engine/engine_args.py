@@ -14,6 +14,10 @@ from flotilla.contract import (
     FLAG_MAX_NUM_SEQS,
     FLAG_MODEL,
     FLAG_NO_PREFIX_CACHING,
+    FLAG_SCHEDULING_POLICY,
+    FLAG_TENANT_WEIGHTS,
+    SCHEDULING_POLICIES,
+    parse_tenant_weights,
 )
 from flotilla.engine.config import EngineConfig
 
@@ -40,6 +44,14 @@ def thread_count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (the default count) or more, got {value}")
     return value
+
+
+def tenant_weights(text: str) -> dict[str, float]:
+    """--tenant-weights: tenant=weight,tenant=weight (flotilla.contract's format)."""
+    try:
+        return parse_tenant_weights(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +87,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--attention-backend", default=defaults.attention_backend, choices=["auto", "torch", "triton"]
     )
+    group.add_argument(
+        FLAG_SCHEDULING_POLICY,
+        choices=SCHEDULING_POLICIES,
+        default=defaults.scheduling_policy,
+        help="the order requests are admitted and preempted in: fcfs (arrival), priority (the "
+        "request's priority, then arrival) or fair (the tenant served least so far, weighted by "
+        f"{FLAG_TENANT_WEIGHTS}; the virtual token counter) (default {defaults.scheduling_policy})",
+    )
+    group.add_argument(
+        FLAG_TENANT_WEIGHTS,
+        type=tenant_weights,
+        default={},
+        metavar="TENANT=WEIGHT,...",
+        help="fair-share weights, e.g. team-a=2,team-b=1: a tenant of weight 2 gets twice the tokens of "
+        "one of weight 1 when both wait (default: every tenant weighs 1)",
+    )
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument(
         "--threads",
@@ -100,4 +128,6 @@ def engine_config_from_args(args: argparse.Namespace, show_progress: bool = Fals
         seed=args.seed,
         cpu_threads=args.threads,
         show_progress=show_progress,
+        scheduling_policy=args.scheduling_policy,
+        tenant_weights=dict(args.tenant_weights),
     )

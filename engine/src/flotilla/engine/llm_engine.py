@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.fair_share import FairShareConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
-from flotilla.engine.core.outputs import EngineStats, RequestOutput
+from flotilla.engine.core.outputs import EngineStats, RequestOutput, TenantStats
 from flotilla.engine.core.request import FinishReason, Request
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -173,7 +174,25 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_manager.usage(),
             num_steps=self._num_steps,
+            tenants=self._tenant_stats(),
         )
+
+    def _tenant_stats(self) -> dict[str, TenantStats]:
+        """Each tenant's ledger entry and queued requests, copied. The worker thread may add a tenant or
+        queue a request meanwhile: dict() and list() copy in one C call each, which no other Python
+        thread interleaves with, and the copies are only read afterwards. The queue first: every tenant
+        in it is then in the ledger, which only ever gains tenants."""
+        waiting = Counter(request.tenant for request in list(self.scheduler.waiting))
+        ledger = dict(self.scheduler.ledger.tenants)
+        return {
+            tenant: TenantStats(
+                counter=service.counter,
+                prompt_tokens=service.prompt_tokens,
+                generation_tokens=service.generation_tokens,
+                num_waiting=waiting[tenant],
+            )
+            for tenant, service in ledger.items()
+        }
 
     # -- offline -----------------------------------------------------------------------------------------
     def generate(

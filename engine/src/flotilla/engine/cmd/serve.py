@@ -12,11 +12,15 @@ from pathlib import Path
 from flotilla.contract import (
     ENGINE_PORT,
     ENV_API_KEY,
+    ENV_INTERNAL_TOKEN,
+    ENV_TENANT,
     FLAG_DRAIN_TIMEOUT,
     FLAG_HOST,
     FLAG_PORT,
     FLAG_SERVED_MODEL_NAME,
     FLAG_SHUTDOWN_DELAY,
+    HEADER_INTERNAL_TOKEN,
+    HEADER_TENANT,
 )
 from flotilla.engine.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 
@@ -31,6 +35,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get(ENV_API_KEY),
         help="require 'Authorization: Bearer KEY' on the API (default: $FLOTILLA_API_KEY; unset: no key)",
+    )
+    parser.add_argument(
+        "--internal-token",
+        default=os.environ.get(ENV_INTERNAL_TOKEN),
+        help=f"the credential that lets a caller (the gateway) name a request's tenant in {HEADER_TENANT}; "
+        f"the request must carry it in {HEADER_INTERNAL_TOKEN} (default: ${ENV_INTERNAL_TOKEN}; unset or "
+        "empty: no request may name a tenant, and every request is served for $"
+        f"{ENV_TENANT})",
     )
     parser.add_argument(
         "--max-queue",
@@ -96,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or folder.resolve().name,
         api_key=args.api_key or None,
+        internal_token=args.internal_token or None,
         max_queue=args.max_queue if args.max_queue > 0 else None,
         max_body_bytes=args.max_body_size,
     )

@@ -34,6 +34,16 @@ class RequestOutput:
     all_logprobs: list[TokenLogprob] | None = None
 
 
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's share of the engine, from the scheduler's fair-share ledger (core/fair_share.py)."""
+
+    counter: float = 0.0  # the virtual token counter: weighted tokens served / the tenant's weight
+    prompt_tokens: int = 0  # since start
+    generation_tokens: int = 0  # since start
+    num_waiting: int = 0  # requests of the tenant queued now
+
+
 @dataclass
 class EngineStats:
     """Monotonic counters (the server turns them into Prometheus counters) plus the latest gauges."""
@@ -48,3 +58,5 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # used KV blocks / all KV blocks
     num_steps: int = 0
+    # Per request tenant ("" is the engine's own when none was named), in the order tenants first arrived.
+    tenants: dict[str, TenantStats] = field(default_factory=dict)

@@ -49,7 +49,11 @@ def create_app(
 ) -> FastAPI:
     """engine_factory builds the LLMEngine (slow: runs in a thread after start-up)."""
     state = ServerState(settings)
-    state.metrics = EngineMetrics(settings.model_name, lambda: state.engine.stats() if state.engine else None)
+    state.metrics = EngineMetrics(
+        settings.model_name,
+        lambda: state.engine.stats() if state.engine else None,
+        max_tenant_labels=settings.max_tenant_labels,
+    )
 
     async def load() -> None:
         try:

@@ -1,5 +1,6 @@
-"""What every API request passes before the engine sees it: the API key, the model name, an engine
-that is serving, and a place in the queue (or 429 when it is full).
+"""What every API request passes before the engine sees it: the API key, the tenant it names (only with
+the internal token; tenancy.py), the model name, an engine that is serving, and a place in the queue (or
+429 when it is full).
 
 Handlers get these through FastAPI dependencies; the state lives on `app.state.flotilla`. The
 dependencies are `async def` so FastAPI calls them on the event loop, not in a thread pool.
@@ -15,6 +16,7 @@ from fastapi import Request
 from flotilla.engine.server.errors import ApiError
 from flotilla.engine.server.openai_serving import Job, Serving
 from flotilla.engine.server.state import ServerSettings, ServerState
+from flotilla.engine.server.tenancy import request_tenant
 
 
 async def server_state(request: Request) -> ServerState:
@@ -42,6 +44,10 @@ class Gate:
     @property
     def settings(self) -> ServerSettings:
         return self.state.settings
+
+    def tenant(self, request: Request) -> str:
+        """The request's tenant (403/400 when it names one it may not or cannot be)."""
+        return request_tenant(request.headers, self.settings.tenant, self.settings.internal_token)
 
     def check_model(self, name: str | None) -> None:
         model_name = self.settings.model_name

@@ -5,12 +5,30 @@ from the engine's stats snapshot at scrape time, so the engine loop never waits 
 Every series carries `model`, `tenant` and `service`; the operator sets the tenant and service
 environment variables (flotilla.contract), and an unset one is exported as "" (which Prometheus treats
 as no label). Names, labels and variables all come from flotilla.contract.
+
+Two kinds of series carry `tenant`, with two meanings:
+
+- the engine-wide ones (TIME_TO_FIRST_TOKEN, PROMPT_TOKENS, NUM_REQUESTS_WAITING, ...): `tenant` is the
+  pod's tenant, ENV_TENANT, the Tenant owning the namespace; one value per engine.
+- the per-tenant ones (TENANT_PROMPT_TOKENS, TENANT_GENERATION_TOKENS, TENANT_VIRTUAL_TOKEN_COUNTER,
+  TENANT_NUM_REQUESTS_WAITING, TENANT_TIME_TO_FIRST_TOKEN): `tenant` is the request's tenant, the one the
+  gateway named in HEADER_TENANT (server/tenancy.py), else the pod's. One series per request tenant.
+
+Request tenants come from traffic, so their number is capped (ServerSettings.max_tenant_labels, default
+DEFAULT_MAX_TENANT_LABELS): the first tenants seen keep their own label for the life of the process, and
+every later one is reported under OTHER_TENANT, so a family has at most cap + 1 `tenant` values. Under
+OTHER_TENANT the token counters and the waiting requests are the sums over those tenants (the set only
+grows, so the sums only grow, as counters must); the virtual token counter is their maximum, which bounds
+how far ahead any of them is (a sum of counters is no tenant's standing). A tenant really named like
+OTHER_TENANT is reported there too and takes no label of its own.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,15 +49,22 @@ from flotilla.contract import (
     NUM_PREEMPTIONS,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
+    OTHER_TENANT,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
     PROMPT_TOKENS,
     REQUEST_SUCCESS,
+    TENANT_GENERATION_TOKENS,
+    TENANT_NUM_REQUESTS_WAITING,
+    TENANT_PROMPT_TOKENS,
+    TENANT_TIME_TO_FIRST_TOKEN,
+    TENANT_VIRTUAL_TOKEN_COUNTER,
     TIME_TO_FIRST_TOKEN,
 )
-from flotilla.engine.core.outputs import EngineStats, RequestOutput
+from flotilla.engine.core.outputs import EngineStats, RequestOutput, TenantStats
 
 LABELS = ENGINE_LABELS
+DEFAULT_MAX_TENANT_LABELS = 32  # distinct request tenants the per-tenant series name; the rest: OTHER_TENANT
 # 1 ms to 5 minutes: CPU-only tiny models answer in milliseconds, a loaded big model in minutes.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -55,12 +80,38 @@ def label_values(model: str) -> dict[str, str]:
     }
 
 
+class TenantLabels:
+    """A request tenant's `tenant` label value: its own name for the first `cap` tenants asked about,
+    OTHER_TENANT for every later one. Stable: a tenant's label never changes."""
+
+    def __init__(self, cap: int) -> None:
+        if cap < 1:
+            raise ValueError(f"the tenant label cap must be 1 or more, got {cap}")
+        self.cap = cap
+        self._named: set[str] = set()
+        self._lock = threading.Lock()  # scrapes and requests may ask from different threads
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._named:
+            return tenant
+        with self._lock:
+            if tenant in self._named:
+                return tenant
+            if tenant != OTHER_TENANT and len(self._named) < self.cap:
+                self._named.add(tenant)
+                return tenant
+        return OTHER_TENANT
+
+
 class _StatsCollector:
     """Turns an EngineStats snapshot into gauges and counters at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], labels: dict[str, str]) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats | None], labels: dict[str, str], tenant_label: TenantLabels
+    ) -> None:
         self._stats = stats
         self._labels = labels
+        self._tenant_label = tenant_label
 
     def collect(self):
         stats = self._stats() or EngineStats()
@@ -101,36 +152,90 @@ class _StatsCollector:
         for reason, count in sorted(reasons.items()):
             finished.add_metric([*values, reason], count)
         yield finished
+        yield from self._per_tenant(stats.tenants)
+
+    def _per_tenant(
+        self, tenants: dict[str, TenantStats]
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The per-tenant families, `tenant` being the request's tenant (capped; see the module doc)."""
+        grouped: dict[str, list[TenantStats]] = defaultdict(list)
+        for tenant, service in tenants.items():  # in arrival order, so the first tenants get the labels
+            grouped[self._tenant_label(tenant)].append(service)
+        names = list(self._labels)
+        prompt = CounterMetricFamily(
+            TENANT_PROMPT_TOKENS, "Prompt tokens processed, by request tenant.", labels=names
+        )
+        generation = CounterMetricFamily(
+            TENANT_GENERATION_TOKENS, "Tokens generated, by request tenant.", labels=names
+        )
+        counter = GaugeMetricFamily(
+            TENANT_VIRTUAL_TOKEN_COUNTER,
+            "The fair scheduler's virtual token counter (weighted tokens served / weight), by request "
+            f"tenant; the maximum of the tenants under '{OTHER_TENANT}'.",
+            labels=names,
+        )
+        waiting = GaugeMetricFamily(
+            TENANT_NUM_REQUESTS_WAITING,
+            "Requests queued, not yet scheduled, by request tenant.",
+            labels=names,
+        )
+        for label, group in grouped.items():
+            values = list((self._labels | {LABEL_TENANT: label}).values())
+            prompt.add_metric(values, sum(s.prompt_tokens for s in group))
+            generation.add_metric(values, sum(s.generation_tokens for s in group))
+            counter.add_metric(values, max(s.counter for s in group))
+            waiting.add_metric(values, sum(s.num_waiting for s in group))
+        yield from (prompt, generation, counter, waiting)
 
 
 class EngineMetrics:
-    def __init__(self, model: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model: str,
+        stats: Callable[[], EngineStats | None],
+        max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.labels = label_values(model)
+        self.tenant_label = TenantLabels(max_tenant_labels)
         names = list(self.labels)
 
         def histogram(name: str, doc: str) -> Histogram:
-            metric = Histogram(name, doc, names, buckets=LATENCY_BUCKETS, registry=self.registry)
-            return metric.labels(**self.labels)
+            return Histogram(name, doc, names, buckets=LATENCY_BUCKETS, registry=self.registry)
 
-        self.ttft = histogram(TIME_TO_FIRST_TOKEN, "Arrival to first generated token, in seconds.")
-        self.itl = histogram(INTER_TOKEN_LATENCY, "Gap between consecutive tokens of a request, in seconds.")
-        self.e2e = histogram(E2E_REQUEST_LATENCY, "Arrival to last token, in seconds.")
-        self.registry.register(_StatsCollector(stats, self.labels))
+        self.ttft = histogram(TIME_TO_FIRST_TOKEN, "Arrival to first generated token, in seconds.").labels(
+            **self.labels
+        )
+        self.itl = histogram(
+            INTER_TOKEN_LATENCY, "Gap between consecutive tokens of a request, in seconds."
+        ).labels(**self.labels)
+        self.e2e = histogram(E2E_REQUEST_LATENCY, "Arrival to last token, in seconds.").labels(**self.labels)
+        self._tenant_ttft = histogram(
+            TENANT_TIME_TO_FIRST_TOKEN, "Arrival to first generated token, in seconds, by request tenant."
+        )
+        self.registry.register(_StatsCollector(stats, self.labels, self.tenant_label))
+
+    def tenant_ttft(self, tenant: str) -> Histogram:
+        """The TTFT histogram of a request tenant (its capped label)."""
+        return self._tenant_ttft.labels(**(self.labels | {LABEL_TENANT: self.tenant_label(tenant)}))
 
 
 class RequestTimer:
-    """Observes one engine request's latencies from the timestamps on its outputs."""
+    """Observes one engine request's latencies from the timestamps on its outputs. Made when the request
+    starts, so its tenant's label is settled in arrival order."""
 
-    def __init__(self, metrics: EngineMetrics) -> None:
+    def __init__(self, metrics: EngineMetrics, tenant: str = "") -> None:
         self.metrics = metrics
+        self._tenant_ttft = metrics.tenant_ttft(tenant)
         self._last_token_time: float | None = None
 
     def observe(self, out: RequestOutput) -> None:
         if out.new_token_ids and out.last_token_time is not None:
             if self._last_token_time is None:
                 if out.first_token_time is not None:
-                    self.metrics.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+                    ttft = max(0.0, out.first_token_time - out.arrival_time)
+                    self.metrics.ttft.observe(ttft)
+                    self._tenant_ttft.observe(ttft)
             else:
                 self.metrics.itl.observe(max(0.0, out.last_token_time - self._last_token_time))
             self._last_token_time = out.last_token_time

@@ -50,6 +50,7 @@ class Job:
     stream: bool
     include_usage: bool
     num_prompt_tokens: int  # each prompt counted once, however many choices share it
+    tenant: str = ""  # who it is served for (server/tenancy.py)
 
 
 class Serving:
@@ -64,7 +65,7 @@ class Serving:
         self.defaults = llm.default_sampling_params()
 
     # -- building jobs ---------------------------------------------------------------------------
-    def completion_job(self, req: CompletionRequest, arrival_time: float) -> Job:
+    def completion_job(self, req: CompletionRequest, arrival_time: float, tenant: str = "") -> Job:
         if req.echo:
             raise bad_request("'echo' is not supported", param="echo")
         if req.suffix:
@@ -72,9 +73,9 @@ class Serving:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("'best_of' is not supported (use n)", param="best_of")
         prompts = self._prompt_ids(req.prompt)
-        return self._job(req, prompts, req.max_tokens, "max_tokens", req.logprobs, arrival_time)
+        return self._job(req, prompts, req.max_tokens, "max_tokens", req.logprobs, arrival_time, tenant)
 
-    def chat_job(self, req: ChatCompletionRequest, arrival_time: float) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, arrival_time: float, tenant: str = "") -> Job:
         if req.tools:
             raise bad_request("'tools' are not supported", param="tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -86,7 +87,7 @@ class Serving:
         if req.max_completion_tokens is not None:
             max_tokens, name = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._job(req, [ids], max_tokens, name, logprobs, arrival_time)
+        return self._job(req, [ids], max_tokens, name, logprobs, arrival_time, tenant)
 
     def chat_prompt_ids(self, messages, add_generation_prompt: bool) -> list[int]:
         plain = []
@@ -128,6 +129,7 @@ class Serving:
         max_tokens_name: str,
         logprobs: int | None,
         arrival_time: float,
+        tenant: str = "",
     ) -> Job:
         if req.logit_bias:
             raise bad_request("'logit_bias' is not supported", param="logit_bias")
@@ -199,6 +201,7 @@ class Serving:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             num_prompt_tokens=sum(len(ids) for ids in prompts),
+            tenant=tenant,
         )
 
     # -- running jobs ----------------------------------------------------------------------------
@@ -236,12 +239,13 @@ class Serving:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stream(self, job: Job, choice: Choice) -> AsyncIterator[RequestOutput]:
-        timer = RequestTimer(self.metrics)
+        timer = RequestTimer(self.metrics, job.tenant)
         stream = self.engine.generate(
             choice.prompt_ids,
             choice.params,
             f"{job.request_id}-{choice.index}",
             arrival_time=job.arrival_time,
+            tenant=job.tenant,
         )
         async with contextlib.aclosing(stream):
             async for out in stream:

@@ -5,12 +5,14 @@ Apart from app.py so the routers can name it without importing the app that incl
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flotilla.contract import ENV_TENANT
 from flotilla.engine.async_engine import AsyncEngine
-from flotilla.engine.server.metrics import EngineMetrics
+from flotilla.engine.server.metrics import DEFAULT_MAX_TENANT_LABELS, EngineMetrics
 from flotilla.engine.server.openai_serving import Serving
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -22,6 +24,16 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int | None = 256  # requests accepted but not running; None: unbounded
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The credential a request must carry to name its tenant (the gateway's); None: no request may.
+    internal_token: str | None = None
+    # Who a request that names no tenant is served for: the Tenant owning the pod's namespace.
+    tenant: str = field(default_factory=lambda: os.environ.get(ENV_TENANT, ""))
+    # The most request tenants the per-tenant metrics name; later ones are summed under one (metrics.py).
+    max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS
+
+    def __post_init__(self) -> None:
+        if self.max_tenant_labels < 1:
+            raise ValueError(f"max_tenant_labels must be 1 or more, got {self.max_tenant_labels}")
 
 
 @dataclass

@@ -74,6 +74,13 @@ class EngineSettings(_Model):
     kv_cache_memory: Quantity | None = Field(default=None, description="bytes for the KV pool, e.g. 4Gi")
     prefix_caching: bool | None = None
     dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = None
+    # The same names as flotilla.contract.SCHEDULING_POLICIES (a test checks).
+    scheduling_policy: Literal["fcfs", "priority", "fair"] | None = Field(
+        default=None,
+        description="the order requests are admitted and preempted in: fcfs (arrival; the engine's default), "
+        "priority (the request's priority, then arrival) or fair (the tenant served least so far first, "
+        "weighted by each Tenant's schedulingWeight)",
+    )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="appended to `flotilla engine serve`"
     )
@@ -185,6 +192,12 @@ class TenantSpec(_Model):
     )
     members: list[Subject] = Field(default_factory=list)
     priority: int = Field(default=0, ge=-1000, le=1000)
+    scheduling_weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        description="share of a shared engine's service under the fair policy, relative to other tenants",
+    )
 
 
 class GPUSeconds(_Model):

@@ -1,6 +1,7 @@
 """Watches of what the reconciler depends on besides the service: nodes (GPU types), namespaces
-(labels a Tenant selects by) and Tenants (namespaces, quota). When one changes, the services it may
-unblock, or move to another tenant, are synced again."""
+(labels a Tenant selects by) and Tenants (namespaces, quota, scheduling weight). When one changes, the
+services it may unblock, or move to another tenant, or whose engine command carries its weight, are
+synced again."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from flotilla.operator.controllers import indexes
 from flotilla.operator.controllers.indexes import labels_by_namespace
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.controllers.sync import retry_services
+from flotilla.operator.desired.reconcile import uses_tenant_weights
 from flotilla.operator.desired.status import VALID
 from flotilla.operator.tenancy.rules import claims
 
@@ -47,7 +49,9 @@ def namespace_event(name: str, labels: dict, memo: kopf.Memo, **kwargs) -> None:
 
 @kopf.on.event(GROUP, VERSION, TENANT.plural)
 def tenant_event(name: str, spec: dict, memo: kopf.Memo, **kwargs) -> None:
-    # Quota or namespaces changed: services in its namespaces (or charged to it) are re-checked.
+    # Quota or namespaces changed: services in its namespaces (or charged to it) are re-checked. A changed
+    # schedulingWeight (a Tenant created or deleted with a weight other than 1 included) is in the command
+    # of every fair engine, whatever its namespace: those are re-planned too.
     rt: Runtime = memo.runtime
     try:
         tenant = TenantSpec.model_validate(spec or {})
@@ -55,11 +59,18 @@ def tenant_event(name: str, spec: dict, memo: kopf.Memo, **kwargs) -> None:
         tenant = TenantSpec()
     labels = labels_by_namespace(kwargs["namespace_labels"])
     charged = {h.key for h in rt.held.entries(name)}
+    deleted = kwargs.get("type") == "DELETED"
+    weight = 1.0 if deleted else tenant.scheduling_weight
+    weight_changed = rt.tenant_weights.get(name, 1.0) != weight
+    if deleted:
+        rt.tenant_weights.pop(name, None)
+    else:
+        rt.tenant_weights[name] = weight
 
     def affected(obj: dict, cond: dict) -> bool:
         meta = obj["metadata"]
         ns = meta["namespace"]
         in_scope = claims(tenant, ns, labels.get(ns)) or (ns, meta["name"]) in charged
-        return in_scope and cond.get(VALID) != "False"
+        return (in_scope or weight_changed and uses_tenant_weights(obj)) and cond.get(VALID) != "False"
 
     retry_services(rt, indexes.of(kwargs), affected, "tenant-changed")

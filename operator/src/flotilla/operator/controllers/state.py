@@ -36,6 +36,7 @@ class Runtime:
     key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one sync at a time per service
     gpu_types: frozenset[str] = frozenset()
     namespace_labels: dict[str, dict] = field(default_factory=dict)  # as last seen, to spot label changes
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # schedulingWeight as last seen
 
 
 @dataclass

@@ -21,10 +21,17 @@ from flotilla.operator.desired.status import (
     pod_view,
 )
 from flotilla.operator.desired.validation import Problem, check
-from flotilla.operator.desired.workload import Decision, Owner, children, service_url, target_replicas
+from flotilla.operator.desired.workload import (
+    FAIR,
+    Decision,
+    Owner,
+    children,
+    service_url,
+    target_replicas,
+)
 from flotilla.operator.naming import NO_TENANT, selector_string
 from flotilla.operator.tenancy.quota import Held, QuotaDecision, decide, used_gpus
-from flotilla.operator.tenancy.rules import tenant_of
+from flotilla.operator.tenancy.rules import scheduling_weights, tenant_of
 
 
 @dataclass
@@ -90,7 +97,11 @@ def plan(obj: dict, world: World) -> Plan:
             used_by_others=used_gpus(world.held_by_others, tenant or "", spec.resources.gpu_type),
         )
         desired = quota.replicas
-        decision = Decision(tenant=tenant or NO_TENANT, replicas=desired)
+        decision = Decision(
+            tenant=tenant or NO_TENANT,
+            replicas=desired,
+            tenant_weights=scheduling_weights(world.tenants) if spec.engine.scheduling_policy == FAIR else (),
+        )
         desired_children = children(owner, spec, decision, world.config)
         key = (owner.namespace, owner.name)
         held = Held(key, tenant or NO_TENANT, spec.resources.gpu_type, desired * gpus)
@@ -136,6 +147,14 @@ def _events(previous: list[dict], status: dict) -> list[Event]:
         elif (cond["type"], cond["status"]) == (READY, "True"):
             events.append(Event("Normal", "Ready", cond["message"]))
     return events
+
+
+def uses_tenant_weights(obj: dict) -> bool:
+    """Whether the service's engine is rendered with the Tenants' weights (its policy is fair), so that a
+    change of any Tenant's schedulingWeight must re-plan it. Read from the raw object: the kopf layer asks
+    before any parsing."""
+    engine = (obj.get("spec") or {}).get("engine") or {}
+    return engine.get("schedulingPolicy") == FAIR
 
 
 def status_changed(current: dict | None, new: dict) -> bool:

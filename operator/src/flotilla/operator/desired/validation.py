@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from flotilla.operator.api.v1alpha1 import InferenceServiceSpec
 from flotilla.operator.desired.model_source import ModelUriError, parse_model_uri
@@ -35,10 +36,18 @@ def parse_spec(raw: dict) -> tuple[InferenceServiceSpec | None, list[Problem]]:
         return InferenceServiceSpec.model_validate(raw), []
     except ValidationError as exc:
         problems = [
-            Problem("spec." + ".".join(str(p) for p in err["loc"]), err["msg"], "InvalidSpec")
+            Problem("spec." + ".".join(str(p) for p in err["loc"]), _schema_message(err), "InvalidSpec")
             for err in exc.errors()
         ]
         return None, problems
+
+
+def _schema_message(err: ErrorDetails) -> str:
+    """pydantic's message, with the refused value when it is a plain one (not a whole object)."""
+    value = err.get("input")
+    if err["type"] == "missing" or not isinstance(value, str | int | float | bool):
+        return err["msg"]
+    return f"{err['msg']}, got {value!r}"
 
 
 def check(

@@ -53,10 +53,13 @@ class Owner:
 
 @dataclass(frozen=True)
 class Decision:
-    """What the operator decided beyond the spec: the tenant and the replicas quota admits."""
+    """What the operator decided beyond the spec: the tenant, the replicas quota admits, and, for a service
+    whose policy is fair, the Tenants' fair-share weights as sorted (tenant, weight) pairs, weight 1 left
+    out (tenancy.rules.scheduling_weights)."""
 
     tenant: str
     replicas: int
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
 
 def served_name(owner: Owner, spec: InferenceServiceSpec) -> str:
@@ -70,8 +73,13 @@ def target_replicas(spec: InferenceServiceSpec) -> int:
     return max(spec.autoscaling.min_replicas, min(spec.replicas, spec.autoscaling.max_replicas))
 
 
-def engine_args(engine: EngineSettings) -> EngineArgs:
-    """The spec's engine settings as the contract's EngineArgs (unset ones keep the engine's defaults)."""
+FAIR = "fair"
+
+
+def engine_args(engine: EngineSettings, tenant_weights: tuple[tuple[str, float], ...] = ()) -> EngineArgs:
+    """The spec's engine settings as the contract's EngineArgs (unset ones keep the engine's defaults).
+    The tenant weights go only to a fair engine: under another policy they would mean nothing, and would
+    roll its pods each time a Tenant's weight changed."""
     return EngineArgs(
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -79,6 +87,8 @@ def engine_args(engine: EngineSettings) -> EngineArgs:
         kv_cache_bytes=None if engine.kv_cache_memory is None else quantity_bytes(engine.kv_cache_memory),
         prefix_caching=engine.prefix_caching,
         dtype=engine.dtype,
+        scheduling_policy=engine.scheduling_policy,
+        tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == FAIR else (),
         extra_args=tuple(engine.extra_args),
     )
 
@@ -106,14 +116,18 @@ def quantity_bytes(quantity: str | int) -> int:
 
 
 def engine_command(
-    owner: Owner, spec: InferenceServiceSpec, model_path: str, drain_seconds: int | None = None
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    model_path: str,
+    drain_seconds: int | None = None,
+    tenant_weights: tuple[tuple[str, float], ...] = (),
 ) -> list[str]:
     return engine_serve_argv(
         model_path=model_path,
         served_name=served_name(owner, spec),
         shutdown_delay=ENGINE_SHUTDOWN_DELAY if drain_seconds else None,
         drain_timeout=drain_seconds or None,
-        engine=engine_args(spec.engine),
+        engine=engine_args(spec.engine, tenant_weights),
     )
 
 
@@ -167,7 +181,11 @@ def pod_template(
         # On SIGTERM the engine serves on while endpoints drop it, then drains in-flight requests; both
         # must end, with 10 s to spare, before the grace period does.
         "command": engine_command(
-            owner, spec, mount.path, max(1, config.termination_grace_seconds - 10 - ENGINE_SHUTDOWN_DELAY)
+            owner,
+            spec,
+            mount.path,
+            max(1, config.termination_grace_seconds - 10 - ENGINE_SHUTDOWN_DELAY),
+            decision.tenant_weights,
         ),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(owner, decision.tenant),

@@ -62,3 +62,13 @@ def tenant_problems(
             f"quota covers: {', '.join(sorted(spec.gpu_quota)) or 'none'}"
         )
     return problems
+
+
+def scheduling_weights(tenants: Mapping[str, TenantSpec]) -> tuple[tuple[str, float], ...]:
+    """The fair policy's tenant weights: every Tenant whose schedulingWeight is not 1 (the engine weighs
+    the others 1), sorted by name so that the same Tenants always render the same engine command."""
+    return tuple(
+        (name, spec.scheduling_weight)
+        for name, spec in sorted(tenants.items())
+        if spec.scheduling_weight != 1
+    )

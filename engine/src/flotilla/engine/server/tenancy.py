@@ -1,0 +1,68 @@
+"""Who a request is served for: its tenant, the unit of the fair policy and of the per-tenant metrics.
+
+A request may name its tenant in HEADER_TENANT only when it also carries the engine's internal token in
+HEADER_INTERNAL_TOKEN: the gateway, which authenticates clients and knows their tenant, holds that token;
+a client that reaches the engine directly does not, so it cannot pass itself off as another tenant (403).
+A request that names none is served for the engine's own tenant (ENV_TENANT, "" when unset). The token is
+checked before the name, so a caller without it learns nothing about what names would pass.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from starlette.datastructures import Headers
+
+from flotilla.contract import HEADER_INTERNAL_TOKEN, HEADER_TENANT
+from flotilla.engine.server.errors import ApiError
+
+MAX_TENANT_LENGTH = 63
+TENANT_RULE = (
+    f"at most {MAX_TENANT_LENGTH} characters: lowercase letters, digits, '-' and '.', starting and ending "
+    "with a letter or digit (a Kubernetes name)"
+)
+_TENANT = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
+def valid_tenant(name: str) -> bool:
+    return len(name) <= MAX_TENANT_LENGTH and _TENANT.fullmatch(name) is not None
+
+
+def request_tenant(headers: Headers, own_tenant: str, internal_token: str | None) -> str:
+    """The request's tenant, or an ApiError: 403 when it names one without the internal token, 400 when
+    the name is not a tenant name or is named more than once (a gateway that appends its header to a
+    client's must not let the client's win)."""
+    names = headers.getlist(HEADER_TENANT)
+    if not names:
+        return own_tenant
+    given = headers.get(HEADER_INTERNAL_TOKEN)
+    if not internal_token:
+        why = "this engine has no internal token, so no request may name its tenant"
+    elif given is None:
+        why = f"the request has no {HEADER_INTERNAL_TOKEN}"
+    elif not hmac.compare_digest(given.encode(), internal_token.encode()):
+        why = f"the request's {HEADER_INTERNAL_TOKEN} is not the engine's"
+    else:
+        why = None
+    if why is not None:
+        raise ApiError(
+            403,
+            f"{HEADER_TENANT} is accepted only with a valid {HEADER_INTERNAL_TOKEN} (from the gateway): {why}",
+            code="tenant_not_allowed",
+        )
+    if len(names) > 1:
+        raise ApiError(
+            400,
+            f"{HEADER_TENANT} appears {len(names)} times; a request has one tenant",
+            code="invalid_tenant",
+        )
+    named = names[0]
+    if not valid_tenant(named):
+        shown = named if len(named) <= 2 * MAX_TENANT_LENGTH else named[: 2 * MAX_TENANT_LENGTH] + "..."
+        raise ApiError(
+            400,
+            f"{HEADER_TENANT} {shown!r} ({len(named)} characters) is not a tenant name: {TENANT_RULE}",
+            code="invalid_tenant",
+        )
+    return named
