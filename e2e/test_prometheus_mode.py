@@ -1,9 +1,9 @@
 """The autoscaler's Prometheus mode on the local cluster.
 
-A real Prometheus (Debian's package) scrapes the engine pods with the labels the usual `kubernetes-pods`
-job gives, `namespace` and `pod`. Debian builds Prometheus without kubernetes_sd_configs, so the test does
-that discovery itself: it lists the pods annotated `prometheus.io/scrape` through the API server, as a
-ServiceAccount allowed to read only pods there, and writes them to a file_sd target file. The operator runs with
+A real Prometheus (built from Go modules by `flotilla cluster build`) discovers the engine pods with
+kubernetes_sd_configs through the API server, as a ServiceAccount allowed only to list and watch pods in
+the test's namespace, and scrapes those annotated `prometheus.io/scrape` with the labels the usual
+`kubernetes-pods` job gives, `namespace` and `pod` (flotilla.monitoring.scrape). The operator runs with
 `--prometheus-url` and reads TTFT p95 and queue depth from it with PromQL. The TTFT target is set far
 below what any request takes, so a little traffic must scale the service from 1 to 2, and only data read
 from Prometheus can make it do so.
@@ -11,10 +11,7 @@ from Prometheus can make it do so.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import threading
 import urllib.parse
 import urllib.request
 import uuid
@@ -24,72 +21,23 @@ import pytest
 import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
-from flotilla.cluster.prometheus import BINARY, PrometheusProcess
+from flotilla.cluster.prometheus import PrometheusProcess
+from flotilla.monitoring.scrape import ApiAccess, prometheus_config
 from flotilla.operator.cmd.local import (
     OperatorProcess,
     complete,
     inference_service,
     install_manifests,
-    kubeconfig_for,
     service_account_kubeconfig,
     tiny_model,
 )
 
-pytestmark = [
-    pytest.mark.cluster,
-    pytest.mark.skipif(
-        BINARY is None, reason="needs the prometheus binary (scripts/bootstrap.sh installs it)"
-    ),
-]
+pytestmark = [pytest.mark.cluster]
 
 
-def _scrape_config(targets_file: Path) -> dict:
-    return {
-        "global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
-        "scrape_configs": [
-            {
-                "job_name": "kubernetes-pods",
-                "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "2s"}],
-            }
-        ],
-    }
-
-
-def _discover(kubeconfig: Path, namespace: str, targets_file: Path) -> None:
-    """What kubernetes_sd plus the usual relabeling would find: annotated pods with an IP."""
-    from flotilla.cluster.control_plane import kubectl_path
-
-    result = subprocess.run(
-        [str(kubectl_path()), f"--kubeconfig={kubeconfig}", "get", "pods", "-n", namespace, "-o", "json"],
-        capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
-    groups = []
-    for pod in json.loads(result.stdout)["items"]:
-        notes = pod["metadata"].get("annotations") or {}
-        ip = (pod.get("status") or {}).get("podIP")
-        if notes.get("prometheus.io/scrape") == "true" and ip:
-            groups.append(
-                {
-                    "targets": [f"{ip}:{notes.get('prometheus.io/port', '80')}"],
-                    "labels": {"namespace": namespace, "pod": pod["metadata"]["name"]},
-                }
-            )
-    partial = targets_file.with_suffix(".partial")
-    partial.write_text(json.dumps(groups))
-    partial.replace(targets_file)  # atomic: Prometheus never reads half a file
-
-
-class Discovery(threading.Thread):
-    def __init__(self, kubeconfig: Path, namespace: str, targets_file: Path):
-        super().__init__(daemon=True)
-        self.args = (kubeconfig, namespace, targets_file)
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            with contextlib.suppress(subprocess.SubprocessError, ValueError):  # the next round retries
-                _discover(*self.args)
-            self.stop.wait(2)
+def _scrape_config(cluster: ClusterHandle, token_file: Path, namespace: str) -> dict:
+    access = ApiAccess(cluster.config.server, str(cluster.config.pki_dir / "ca.crt"), str(token_file))
+    return prometheus_config(access, namespaces=[namespace], interval="2s")
 
 
 def _query(url: str, promql: str) -> list[dict]:
@@ -105,16 +53,12 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
     cluster.kubectl(
         "create", "role", "pod-reader", "-n", namespace, "--verb=get,list,watch", "--resource=pods"
     )
-    cluster.kubectl("create", "rolebinding", "prometheus", "-n", namespace, "--role=pod-reader",
-                    f"--serviceaccount={namespace}:prometheus")  # fmt: skip
     token = cluster.kubectl("create", "token", "prometheus", "-n", namespace, "--duration=1h").stdout.strip()
-    discovery_kubeconfig = kubeconfig_for(cluster, tmp_path / "prometheus.kubeconfig", {"token": token})
-    targets_file = tmp_path / "targets.json"
-    targets_file.write_text("[]")
+    token_file = tmp_path / "prometheus.token"
+    token_file.write_text(token)
     model = tiny_model(tmp_path / "tiny-llama")
     install_manifests(cluster)
-    discovery = Discovery(discovery_kubeconfig, namespace, targets_file)
-    with PrometheusProcess(_scrape_config(targets_file), tmp_path / "prom") as prom:
+    with PrometheusProcess(_scrape_config(cluster, token_file, namespace), tmp_path / "prom") as prom:
         operator = OperatorProcess(
             service_account_kubeconfig(cluster, tmp_path / "operator.kubeconfig"),
             tmp_path / "operator.log",
@@ -145,8 +89,8 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
                 300,
                 "the engine pod to be ready",
             )
-            # Before discovery runs, Prometheus has no series for the ready pod, and only the Prometheus
-            # source says so: the pod itself answers /metrics all along.
+            # Until its RoleBinding exists, Prometheus may not list the pods, so it has no series for the
+            # ready pod, and only the Prometheus source says so: the pod itself answers /metrics all along.
             wait_for(
                 lambda: (
                     "no flotilla_num_requests_waiting series in Prometheus" in operator.log_path.read_text()
@@ -154,11 +98,12 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
                 60,
                 "the operator to report the pod missing from Prometheus",
             )
-            discovery.start()
+            cluster.kubectl("create", "rolebinding", "prometheus", "-n", namespace, "--role=pod-reader",
+                            f"--serviceaccount={namespace}:prometheus")  # fmt: skip
             wait_for(
                 lambda: _query(prom.url, f'up{{namespace="{namespace}"}} == 1'),
                 90,
-                "Prometheus to scrape the discovered engine pod",
+                "Prometheus to discover (kubernetes_sd) and scrape the engine pod",
             )
             endpoint = status["endpoints"][0]
             for _ in range(6):
@@ -180,5 +125,4 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
             # The autoscaler daemon's finalizer needs a running operator to let the service go.
             cluster.kubectl("delete", "fisvc", "chat", "-n", namespace, "--timeout=60s", check=False)
             operator.stop()
-            discovery.stop.set()
             cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

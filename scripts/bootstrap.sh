@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs everything Flotilla needs into .venv (and Debian's Prometheus for the metrics tests).
+# Installs everything Flotilla needs into .venv. (Go builds the cluster binaries and Prometheus later.)
 # Idempotent: the Makefile reruns it only when pyproject.toml or this script changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,15 +14,6 @@ PY
 if ! command -v go >/dev/null 2>&1; then
   echo "bootstrap: Go is needed to build the local cluster's binaries (go 1.26 or newer)" >&2
   exit 1
-fi
-
-if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
-  echo "bootstrap: installing Debian's prometheus package (promtool and the server for the metrics tests)"
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  # The package's own service is not wanted; tests start their own Prometheus on loopback.
-  $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -1,8 +1,9 @@
 """The contract between the engine and the operator: everything one half relies on the other to say.
 
 Both halves import this module and never each other. It holds the engine's port and paths, its metric
-and label names, the environment variables the operator sets on engine pods, and the functions that build
-the commands the operator runs in a pod (`flotilla engine serve ...`, `flotilla model fetch ...`).
+and label names (and its latency buckets), the operator's own series names (read by the monitoring rules,
+flotilla.monitoring), the environment variables the operator sets on engine pods, and the functions that
+build the commands the operator runs in a pod (`flotilla engine serve ...`, `flotilla model fetch ...`).
 tests/test_contract.py parses every command the operator can build with the engine's own CLI parser, so a
 renamed flag or a missing subcommand fails a test instead of a pod. Standard library only.
 """
@@ -25,6 +26,12 @@ def engine_base_url(host: str, port: int = ENGINE_PORT) -> str:
 
 def engine_metrics_url(host: str, port: int = ENGINE_PORT) -> str:
     return f"http://{host}:{port}{METRICS_PATH}"
+
+
+# -- how Prometheus finds what to scrape: annotations on every pod Flotilla runs ---------------------------
+ANNOTATION_SCRAPE = "prometheus.io/scrape"  # "true"
+ANNOTATION_PORT = "prometheus.io/port"
+ANNOTATION_PATH = "prometheus.io/path"
 
 
 # -- environment variables the operator sets on engine pods ------------------------------------------------
@@ -62,6 +69,13 @@ GENERATION_TOKENS = "flotilla_generation_tokens"
 NUM_PREEMPTIONS = "flotilla_num_preemptions"
 REQUEST_SUCCESS = "flotilla_request_success"
 FINISH_REASONS = ("stop", "length", "abort")
+# The latency histograms' bucket boundaries, in seconds: 1 ms to 5 minutes (CPU-only tiny models answer in
+# milliseconds, a loaded big model in minutes). The operator's TTFT target series names the largest one at
+# or below a service's target, so that the SLO rule can pick that bucket (flotilla.monitoring.rules).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
 
 # Per request tenant (label LABEL_TENANT is then the request's tenant; at most a bounded number of distinct
 # tenants, the rest under OTHER_TENANT).
@@ -78,6 +92,54 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 def counter_total(name: str) -> str:
     """The exposed sample name of a counter."""
     return f"{name}_total"
+
+
+# -- the operator's series (its own /metrics) ----------------------------------------------------------------
+# Names only: the operator declares them (flotilla.operator.metrics, tenancy/metering_metrics.py,
+# autoscaling/metrics.py) and the monitoring rules read them (flotilla.monitoring.rules). Counters are
+# named without `_total`, as above. Labels are bounded: tenants, namespaces, services, GPU types, reasons.
+LABEL_NAMESPACE = (
+    "namespace"  # the InferenceService's namespace (on engine series: the scrape's target label)
+)
+LABEL_GPU_TYPE = "gpu_type"
+LABEL_REASON = "reason"  # an admission refusal's CamelCase reason (a fixed set)
+LABEL_DIRECTION = "direction"  # tokens: "input" | "output"; scales: "up" | "down"
+LABEL_TRIGGER = "trigger"  # what started a reconcile (a fixed set)
+LABEL_LE = "le"  # a histogram bucket's upper bound, as the engine's exposition spells it
+
+# The reconciler and the webhook.
+RECONCILE_DURATION = "flotilla_reconcile_duration_seconds"  # histogram {trigger}
+RECONCILE_ERRORS = "flotilla_reconcile_errors"  # counter {trigger}
+RECONCILES = "flotilla_reconciles"  # counter {trigger}
+OPERATOR_API_CALLS = "flotilla_operator_api_calls"  # counter {verb, resource}
+ADMISSION_DENIALS = "flotilla_admission_denials"  # counter {tenant, reason}
+
+# Per InferenceService {namespace, service}, from the status the reconciler writes.
+SERVICE_READY = "flotilla_service_ready"  # 1 when the Ready condition is True, else 0
+SERVICE_DESIRED_REPLICAS = "flotilla_service_desired_replicas"
+SERVICE_READY_REPLICAS = "flotilla_service_ready_replicas"
+# spec.autoscaling.ttftP95TargetSeconds, only when set; {namespace, service, le}: `le` is the largest
+# LATENCY_BUCKETS boundary at or below the target, spelled as in the engine's TTFT histogram.
+SERVICE_TTFT_TARGET = "flotilla_service_ttft_p95_target_seconds"
+
+# The autoscaler {namespace, service}.
+AUTOSCALER_DESIRED_REPLICAS = "flotilla_autoscaler_desired_replicas"
+AUTOSCALER_TTFT_P95 = "flotilla_autoscaler_ttft_p95_seconds"
+AUTOSCALER_QUEUE_DEPTH = "flotilla_autoscaler_queue_depth_per_replica"
+AUTOSCALER_KV_CACHE_USAGE = "flotilla_autoscaler_kv_cache_usage_ratio"
+AUTOSCALER_SCRAPE_FAILURES = "flotilla_autoscaler_scrape_failures"  # counter
+AUTOSCALER_SCALES = "flotilla_autoscaler_scales"  # counter {namespace, service, direction}
+
+# Per Tenant, from what metering last wrote to Tenant.status and from its spec.
+TENANT_GPU_SECONDS = "flotilla_tenant_gpu_seconds"  # counter {tenant, namespace, service, gpu_type}
+TENANT_GPUS_ALLOCATED = "flotilla_tenant_gpus_allocated"  # {tenant, gpu_type}
+TENANT_GPU_QUOTA = "flotilla_tenant_gpu_quota"  # {tenant, gpu_type}
+TENANT_PRICE_PER_GPU_HOUR = "flotilla_tenant_price_per_gpu_hour"  # {tenant, gpu_type}: spec.pricePerGPUHour
+TENANT_COST = "flotilla_tenant_cost"  # {tenant}: GPU-hours x price, all time
+TENANT_MONTH_COST = "flotilla_tenant_month_cost"  # {tenant}: the same, this calendar month (UTC)
+TENANT_MONTHLY_BUDGET = "flotilla_tenant_monthly_budget"  # {tenant}: spec.monthlyBudget, only when set
+TENANT_METERED_TOKENS = "flotilla_tenant_tokens"  # counter {tenant, direction}
+TENANT_LAST_METERED = "flotilla_tenant_last_metered_timestamp_seconds"  # {tenant}: status.lastMeteredTime
 
 
 # -- the commands the operator runs in engine pods -----------------------------------------------------------

@@ -3,15 +3,13 @@ scrapes the engine and answers histogram_quantile(0.95, ...) over TTFT."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flotilla.cluster.prometheus import BINARY as prometheus_binary
+from flotilla.cluster.paths import promtool_path
 from flotilla.cluster.prometheus import PrometheusProcess
 
 BODY = {"model": "tiny", "prompt": "count me", "max_tokens": 5, "ignore_eos": True}
@@ -77,20 +75,17 @@ def test_counters_follow_requests(server, http):
 
 
 def test_promtool_check_metrics_passes(server, http):
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (scripts/bootstrap.sh installs Debian's prometheus)")
+    promtool = promtool_path()
+    assert promtool.exists(), f"{promtool} is missing: run `flotilla cluster build` (make test does)"
     http.post("/v1/completions", json=BODY)
     text = httpx.get(f"{server.url}/metrics", trust_env=False).text
     proc = subprocess.run(
-        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        [str(promtool), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_real_prometheus_answers_ttft_p95(make_server, monkeypatch, tmp_path, wait_for):
-    if prometheus_binary is None:
-        pytest.skip("prometheus is not installed (scripts/bootstrap.sh installs Debian's prometheus)")
     monkeypatch.setenv("FLOTILLA_TENANT", "team-a")
     monkeypatch.setenv("FLOTILLA_SERVICE", "chat")
     server = make_server()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flotilla.cluster.versions import ETCD_VERSION, KUBERNETES_VERSION
+from flotilla.cluster.versions import ETCD_VERSION, KUBERNETES_VERSION, prometheus_release
 
 
 def cache_root() -> Path:
@@ -18,6 +18,18 @@ def kubernetes_bin_dir() -> Path:
 
 def etcd_bin_dir() -> Path:
     return cache_root() / f"etcd-{ETCD_VERSION}" / "bin"
+
+
+def prometheus_bin_dir() -> Path:
+    return cache_root() / f"prometheus-v{prometheus_release()}" / "bin"
+
+
+def prometheus_path() -> Path:
+    return prometheus_bin_dir() / "prometheus"
+
+
+def promtool_path() -> Path:
+    return prometheus_bin_dir() / "promtool"
 
 
 def default_state_dir() -> Path:

@@ -1,9 +1,8 @@
-"""A Prometheus server (Debian's `prometheus` package) as a local process, on 127.0.0.1, for the tests
-that check metrics with the real thing."""
+"""A Prometheus server (built from Go modules by `flotilla cluster build`) as a local process, on
+127.0.0.1, for the tests that check metrics with the real thing."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -11,18 +10,17 @@ from pathlib import Path
 import yaml
 
 from flotilla.cluster.handle import free_port, wait_for
+from flotilla.cluster.paths import prometheus_path
 
-BINARY = shutil.which("prometheus")
+BINARY = prometheus_path()
 
 
 class PrometheusProcess:
     """`with PrometheusProcess(config, workdir) as prom:` starts it, waits for /-/ready, and stops it."""
 
     def __init__(self, config: dict, workdir: Path):
-        if BINARY is None:
-            raise RuntimeError(
-                "the prometheus binary is missing: apt install prometheus (scripts/bootstrap.sh does)"
-            )
+        if not BINARY.exists():
+            raise RuntimeError(f"{BINARY} is missing: run `flotilla cluster build` (make test does)")
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -1,30 +1,63 @@
-"""The operator's Prometheus metrics and its /metrics + /healthz HTTP endpoint."""
+"""The operator's Prometheus metrics and its /metrics + /healthz HTTP endpoint.
+
+Names come from flotilla.contract (the monitoring rules read them there too). Labels stay bounded:
+triggers and reasons are fixed sets; namespaces, services and tenants are the cluster's objects.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from flotilla.contract import METRICS_PATH
+from flotilla import contract
+from flotilla.contract import (
+    ADMISSION_DENIALS,
+    LABEL_LE,
+    LABEL_NAMESPACE,
+    LABEL_REASON,
+    LABEL_SERVICE,
+    LABEL_TENANT,
+    LABEL_TRIGGER,
+    LATENCY_BUCKETS,
+    METRICS_PATH,
+    OPERATOR_API_CALLS,
+    SERVICE_DESIRED_REPLICAS,
+    SERVICE_READY,
+    SERVICE_READY_REPLICAS,
+    SERVICE_TTFT_TARGET,
+)
 
 RECONCILE_DURATION = Histogram(
-    "flotilla_reconcile_duration_seconds",
+    contract.RECONCILE_DURATION,
     "Time to reconcile one InferenceService (plan, apply, status)",
-    ["trigger"],
+    [LABEL_TRIGGER],
 )
 RECONCILE_ERRORS = Counter(
-    "flotilla_reconcile_errors",
+    contract.RECONCILE_ERRORS,
     "Reconciles that raised (kopf retries them)",
-    ["trigger"],
+    [LABEL_TRIGGER],
 )
-RECONCILES = Counter("flotilla_reconciles", "Reconciles started", ["trigger"])
+RECONCILES = Counter(contract.RECONCILES, "Reconciles started", [LABEL_TRIGGER])
 API_CALLS = Counter(
-    "flotilla_operator_api_calls",
+    OPERATOR_API_CALLS,
     "Kubernetes API calls the operator's own code made (kopf's watches and annotations not included)",
     ["verb", "resource"],
 )
+# `tenant` is the Tenant the refused object would be charged to ("" when none), or the refused Tenant.
+DENIALS = Counter(
+    ADMISSION_DENIALS,
+    "Objects the admission webhook refused, by the refusal's reason",
+    [LABEL_TENANT, LABEL_REASON],
+)
+# A refused Tenant's reasons (an InferenceService's come from its verdict).
+INVALID_TENANT = "InvalidTenant"  # the spec does not parse
+TENANT_CONFLICT = "TenantConflict"  # a namespace another Tenant claims, a price outside the quota
 
 # What started a reconcile. Declared up front so every series exists (at zero) from the first scrape.
 TRIGGERS = ("spec", "child", "nodes-changed", "tenant-changed", "quota-freed")
@@ -32,6 +65,71 @@ for _trigger in TRIGGERS:
     RECONCILE_DURATION.labels(_trigger)
     RECONCILE_ERRORS.labels(_trigger)
     RECONCILES.labels(_trigger)
+
+
+def slo_bucket(target_seconds: float) -> str | None:
+    """The `le` label of the largest engine latency bucket at or below a TTFT target, spelled as the
+    engine's exposition spells it (prometheus_client's floatToGoString: 0.5 -> "0.5", 1 -> "1.0"); None
+    when the target is below every bucket. The share of requests in that bucket is the share that met the
+    target, rounded down to the bucket boundary (monitoring's SLO rule reads it)."""
+    below = [b for b in LATENCY_BUCKETS if b <= target_seconds]
+    return floatToGoString(below[-1]) if below else None
+
+
+@dataclass(frozen=True)
+class ServiceFigures:
+    """What the service series say about one InferenceService."""
+
+    ready: bool
+    desired_replicas: int
+    ready_replicas: int
+    ttft_target_seconds: float | None  # spec.autoscaling.ttftP95TargetSeconds
+
+
+class ServiceCollector:
+    """Per-service series from what the reconciler last wrote. A collector rather than gauges, so a
+    changed TTFT target (a new `le`) or a deleted service leaves no stale series behind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._services: dict[tuple[str, str], ServiceFigures] = {}
+
+    def update(self, namespace: str, name: str, figures: ServiceFigures) -> None:
+        with self._lock:
+            self._services[(namespace, name)] = figures
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._services.pop((namespace, name), None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            services = sorted(self._services.items())
+        labels = [LABEL_NAMESPACE, LABEL_SERVICE]
+        ready = GaugeMetricFamily(SERVICE_READY, "1 when the Ready condition is True, else 0", labels=labels)
+        desired = GaugeMetricFamily(
+            SERVICE_DESIRED_REPLICAS, "Replicas the operator asks the Deployment for", labels=labels
+        )
+        ready_replicas = GaugeMetricFamily(SERVICE_READY_REPLICAS, "Ready engine pods", labels=labels)
+        target = GaugeMetricFamily(
+            SERVICE_TTFT_TARGET,
+            "spec.autoscaling.ttftP95TargetSeconds; `le` is the largest engine TTFT bucket at or below it",
+            labels=[*labels, LABEL_LE],
+        )
+        for (namespace, name), f in services:
+            ready.add_metric([namespace, name], 1.0 if f.ready else 0.0)
+            desired.add_metric([namespace, name], f.desired_replicas)
+            ready_replicas.add_metric([namespace, name], f.ready_replicas)
+            if f.ttft_target_seconds is not None:
+                # No bucket at or below the target: the label is left out (no SLO series for it).
+                target.add_metric(
+                    [namespace, name, slo_bucket(f.ttft_target_seconds) or ""], f.ttft_target_seconds
+                )
+        yield from (ready, desired, ready_replicas, target)
+
+
+SERVICES = ServiceCollector()
+REGISTRY.register(SERVICES)
 
 
 class Health:

@@ -46,6 +46,7 @@ from flotilla.contract import (
     LABEL_MODEL,
     LABEL_SERVICE,
     LABEL_TENANT,
+    LATENCY_BUCKETS,
     NUM_PREEMPTIONS,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
@@ -65,11 +66,6 @@ from flotilla.engine.core.outputs import EngineStats, RequestOutput, TenantStats
 
 LABELS = ENGINE_LABELS
 DEFAULT_MAX_TENANT_LABELS = 32  # distinct request tenants the per-tenant series name; the rest: OTHER_TENANT
-# 1 ms to 5 minutes: CPU-only tiny models answer in milliseconds, a loaded big model in minutes.
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
-)  # fmt: skip
 
 
 def label_values(model: str) -> dict[str, str]:

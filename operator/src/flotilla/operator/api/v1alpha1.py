@@ -190,6 +190,12 @@ class TenantSpec(_Model):
     price_per_gpu_hour: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, alias="pricePerGPUHour"
     )
+    monthly_budget: float | None = Field(
+        default=None,
+        ge=0,
+        description="optional spending limit per calendar month (UTC), in pricePerGPUHour's currency; "
+        "monitoring alerts when this month's cost is on course to pass it",
+    )
     members: list[Subject] = Field(default_factory=list)
     priority: int = Field(default=0, ge=-1000, le=1000)
     scheduling_weight: float = Field(

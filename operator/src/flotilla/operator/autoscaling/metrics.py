@@ -6,24 +6,28 @@ import contextlib
 
 from prometheus_client import Counter, Gauge
 
-LABELS = ("namespace", "service")
+from flotilla.contract import (
+    AUTOSCALER_DESIRED_REPLICAS,
+    AUTOSCALER_KV_CACHE_USAGE,
+    AUTOSCALER_QUEUE_DEPTH,
+    AUTOSCALER_SCALES,
+    AUTOSCALER_SCRAPE_FAILURES,
+    AUTOSCALER_TTFT_P95,
+    LABEL_DIRECTION,
+    LABEL_NAMESPACE,
+    LABEL_SERVICE,
+)
+
+LABELS = (LABEL_NAMESPACE, LABEL_SERVICE)
 
 DESIRED_REPLICAS = Gauge(
-    "flotilla_autoscaler_desired_replicas", "Replicas the autoscaler decided on at its last decision", LABELS
+    AUTOSCALER_DESIRED_REPLICAS, "Replicas the autoscaler decided on at its last decision", LABELS
 )
-TTFT_P95 = Gauge(
-    "flotilla_autoscaler_ttft_p95_seconds", "Time to first token p95 over the service's TTFT window", LABELS
-)
-QUEUE_DEPTH = Gauge(
-    "flotilla_autoscaler_queue_depth_per_replica", "Waiting requests per ready replica", LABELS
-)
-KV_USAGE = Gauge(
-    "flotilla_autoscaler_kv_cache_usage_ratio", "Highest KV cache usage of the ready pods", LABELS
-)
-SCRAPE_FAILURES = Counter(
-    "flotilla_autoscaler_scrape_failures", "Engine pod /metrics scrapes that failed", LABELS
-)
-SCALES = Counter("flotilla_autoscaler_scales", "Scale changes the autoscaler made", [*LABELS, "direction"])
+TTFT_P95 = Gauge(AUTOSCALER_TTFT_P95, "Time to first token p95 over the service's TTFT window", LABELS)
+QUEUE_DEPTH = Gauge(AUTOSCALER_QUEUE_DEPTH, "Waiting requests per ready replica", LABELS)
+KV_USAGE = Gauge(AUTOSCALER_KV_CACHE_USAGE, "Highest KV cache usage of the ready pods", LABELS)
+SCRAPE_FAILURES = Counter(AUTOSCALER_SCRAPE_FAILURES, "Engine pod /metrics scrapes that failed", LABELS)
+SCALES = Counter(AUTOSCALER_SCALES, "Scale changes the autoscaler made", [*LABELS, LABEL_DIRECTION])
 
 _GAUGES = (DESIRED_REPLICAS, TTFT_P95, QUEUE_DEPTH, KV_USAGE)
 

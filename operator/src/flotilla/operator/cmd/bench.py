@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from flotilla.contract import METRICS_PATH
+from flotilla.contract import METRICS_PATH, OPERATOR_API_CALLS, RECONCILE_ERRORS, RECONCILES, counter_total
 
 NAMESPACE = "bench"
 
@@ -119,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench: {ready}/{args.services} Ready after {elapsed:.0f} s", flush=True)
             time.sleep(2)
         metrics = operator.get(METRICS_PATH)[1]
-        calls = _metric_sum(metrics, "flotilla_operator_api_calls_total")
-        reconciles = _metric_sum(metrics, "flotilla_reconciles_total")
-        errors = _metric_sum(metrics, "flotilla_reconcile_errors_total")
+        calls = _metric_sum(metrics, counter_total(OPERATOR_API_CALLS))
+        reconciles = _metric_sum(metrics, counter_total(RECONCILES))
+        errors = _metric_sum(metrics, counter_total(RECONCILE_ERRORS))
         print()
         print(f"services Ready        {ready}/{args.services} on {args.nodes} simulated nodes")
         print(f"time until all Ready  {elapsed:.1f} s   (target < 120 s)" if ready >= args.services else

@@ -16,7 +16,7 @@ from flotilla.operator.api.v1alpha1 import GROUP, TENANT, VERSION, TenantSpec
 from flotilla.operator.controllers.indexes import ISVC, labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import AdmissionState
 from flotilla.operator.desired.admission import charged, review_service
-from flotilla.operator.metrics import API_CALLS
+from flotilla.operator.metrics import API_CALLS, DENIALS, INVALID_TENANT, TENANT_CONFLICT
 from flotilla.operator.tenancy.quota import Held, Key
 from flotilla.operator.tenancy.rules import tenant_of, tenant_problems
 
@@ -48,6 +48,7 @@ def admit_tenant(body, name: str, dryrun: bool, memo: kopf.Memo, **kwargs) -> No
     try:
         spec = TenantSpec.model_validate(body.get("spec") or {})
     except ValueError as exc:
+        DENIALS.labels(name, INVALID_TENANT).inc()
         raise kopf.AdmissionError(f"tenant {name}: {exc}", code=422) from exc
     labels = labels_by_namespace(kwargs["namespace_labels"])
     with state.tenants_lock:
@@ -56,6 +57,7 @@ def admit_tenant(body, name: str, dryrun: bool, memo: kopf.Memo, **kwargs) -> No
         if not problems and not dryrun:
             state.recent_tenants[name] = (spec, time.monotonic() + RECENT_TENANT_SECONDS)
     if problems:
+        DENIALS.labels(name, TENANT_CONFLICT).inc()
         raise kopf.AdmissionError("; ".join(problems), code=422)
 
 
@@ -88,6 +90,7 @@ def _admit(
         if verdict.allowed and not dryrun and held is not None:
             state.held.reserve(held)
     if not verdict.allowed:
+        DENIALS.labels(tenant or "", verdict.reason).inc()
         raise kopf.AdmissionError(verdict.message, code=verdict.code)
 
 

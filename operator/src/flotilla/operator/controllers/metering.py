@@ -182,7 +182,7 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
         for uid, span in ended.items():
             if state.ended.get(uid) is span:
                 del state.ended[uid]
-    TENANTS.update(name, new_status)
+    TENANTS.update(name, new_status, spec)
 
 
 def _conditions(name: str, spec: TenantSpec, allocated: dict[str, int]) -> list[Condition]:
@@ -203,10 +203,23 @@ def _conditions(name: str, spec: TenantSpec, allocated: dict[str, int]) -> list[
     return [metered, limited]
 
 
+def _seed(name: str, kwargs: dict) -> None:
+    """The Tenant's series from its stored status until the first round writes: after a restart, a Tenant
+    whose metering keeps failing still shows its last lastMeteredTime, so the staleness alert fires."""
+    try:
+        status = TenantStatus.model_validate(dict(kwargs.get("status") or {}))
+        spec = TenantSpec.model_validate(dict(kwargs.get("spec") or {}))
+    except ValueError as exc:
+        log.info("tenant %s: stored status not exported until metering writes: %s", name, exc)
+        return
+    TENANTS.update(name, status, spec)
+
+
 @kopf.daemon(GROUP, VERSION, TENANT.plural, cancellation_timeout=10)
 def meter_tenant(stopped: kopf.DaemonStopped, name: str, memo: kopf.Memo, **kwargs) -> None:
     rt: Runtime = memo.runtime
     state: MeteringState = memo.metering
+    _seed(name, kwargs)
     while not stopped:
         try:
             _meter(rt, state, name, kwargs)

@@ -10,6 +10,7 @@ from flotilla.operator.controllers.indexes import ISVC, plain
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.controllers.sync import retry_services, sync
 from flotilla.operator.desired.status import QUOTA_ADMITTED
+from flotilla.operator.metrics import SERVICES
 
 
 @kopf.on.resume(*ISVC)
@@ -37,6 +38,7 @@ def service_event(event: dict, namespace: str, name: str, memo: kopf.Memo, **kwa
         freed = rt.held.release(key)
         rt.written_status.pop(key, None)
         rt.refused.pop(key, None)
+    SERVICES.forget(namespace, name)
     if freed and freed.gpus:
         retry_services(rt, indexes.of(kwargs), _held_back_by_quota, "quota-freed")
 

@@ -18,8 +18,8 @@ from flotilla.operator.controllers.indexes import index_one, labels_by_namespace
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired.drift import drifted
 from flotilla.operator.desired.reconcile import Event, Plan, World, plan, status_changed
-from flotilla.operator.desired.status import with_apply_failures
-from flotilla.operator.metrics import RECONCILE_DURATION, RECONCILE_ERRORS, RECONCILES
+from flotilla.operator.desired.status import service_figures, with_apply_failures
+from flotilla.operator.metrics import RECONCILE_DURATION, RECONCILE_ERRORS, RECONCILES, SERVICES
 from flotilla.operator.tenancy.quota import Held, Key
 from flotilla.operator.tenancy.rules import tenant_of
 
@@ -166,6 +166,7 @@ def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[di
     if status_changed(current, status):
         rt.kube.patch_status(key[0], key[1], status)
         rt.written_status[key] = status
+    SERVICES.update(key[0], key[1], service_figures(obj.get("spec") or {}, status))
     for event in events:
         kopf.event(obj, type=event.type, reason=event.reason, message=event.message[:1000])
     if failures and any(child["kind"] in refused for child in apply):

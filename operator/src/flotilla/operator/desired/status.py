@@ -5,11 +5,13 @@ condition carries a reason and a message a person can act on.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flotilla.contract import engine_base_url
 from flotilla.operator.api.v1alpha1 import Condition, InferenceServiceStatus
 from flotilla.operator.desired.validation import Problem, describe
+from flotilla.operator.metrics import ServiceFigures
 from flotilla.operator.tenancy.quota import QuotaDecision
 
 READY, VALID, QUOTA_ADMITTED, PROGRESSING, DEGRADED = (
@@ -249,3 +251,16 @@ def with_apply_failures(status: dict, failures: list[str], now: str) -> dict:
                 cond["lastTransitionTime"] = now
         conditions.append(cond)
     return {**status, "conditions": conditions, "message": message}
+
+
+def service_figures(spec: Mapping, status: Mapping) -> ServiceFigures:
+    """What the operator's per-service series say (metrics.SERVICES), from an InferenceService's wire spec
+    and the status the reconciler writes: Ready, desired and ready replicas, and the TTFT target."""
+    ready = any(c.get("type") == READY and c.get("status") == "True" for c in status.get("conditions") or [])
+    target = (spec.get("autoscaling") or {}).get("ttftP95TargetSeconds")
+    return ServiceFigures(
+        ready=ready,
+        desired_replicas=int(status.get("desiredReplicas") or 0),
+        ready_replicas=int(status.get("readyReplicas") or 0),
+        ttft_target_seconds=float(target) if target is not None else None,
+    )

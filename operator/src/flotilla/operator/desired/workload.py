@@ -9,6 +9,9 @@ import re
 from dataclasses import dataclass
 
 from flotilla.contract import (
+    ANNOTATION_PATH,
+    ANNOTATION_PORT,
+    ANNOTATION_SCRAPE,
     ENGINE_PORT,
     ENV_NAMESPACE,
     ENV_POD_IP,
@@ -230,9 +233,9 @@ def pod_template(
         "metadata": {
             "labels": child_labels(owner.name, decision.tenant),
             "annotations": {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(ENGINE_PORT),
-                "prometheus.io/path": METRICS_PATH,
+                ANNOTATION_SCRAPE: "true",
+                ANNOTATION_PORT: str(ENGINE_PORT),
+                ANNOTATION_PATH: METRICS_PATH,
             },
         },
         "spec": pod_spec,

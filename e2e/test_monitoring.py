@@ -1,0 +1,94 @@
+"""`flotilla monitoring up` on the local cluster: the real Prometheus finds annotated pods through the API
+server (kubernetes_sd) as a ServiceAccount that may only read pods, scrapes them with `namespace` and
+`pod` labels, leaves unannotated pods alone, and loads Flotilla's recording rules and alerts."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.parse
+import urllib.request
+import uuid
+
+import pytest
+import yaml
+
+from flotilla.cluster.handle import ClusterHandle, wait_for
+from flotilla.cluster.processes import ProcessTable
+from flotilla.contract import ANNOTATION_PATH, ANNOTATION_PORT, ANNOTATION_SCRAPE
+from flotilla.monitoring import local
+from flotilla.monitoring.rules import render
+
+pytestmark = pytest.mark.cluster
+
+# A pod that serves one gauge on $POD_IP:9400 (the node agent runs it as a host process).
+EXPORTER = (
+    "import os, time; from prometheus_client import Gauge, start_http_server; "
+    "Gauge('flotilla_probe_value', 'a value to find').set(42); "
+    "start_http_server(9400, addr=os.environ['POD_IP']); time.sleep(3600)"
+)
+
+
+def _pod(name: str, annotated: bool) -> dict:
+    notes = (
+        {ANNOTATION_SCRAPE: "true", ANNOTATION_PORT: "9400", ANNOTATION_PATH: "/metrics"} if annotated else {}
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": notes},
+        "spec": {
+            "containers": [
+                {
+                    "name": "exporter",
+                    "image": "python",
+                    "command": [sys.executable, "-c", EXPORTER],
+                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                }
+            ]
+        },
+    }
+
+
+def _query(url: str, promql: str) -> list[dict]:
+    with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}") as rsp:
+        return json.loads(rsp.read())["data"]["result"]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url) as rsp:
+        return json.loads(rsp.read())
+
+
+def test_monitoring_up_discovers_annotated_pods_with_least_privilege(cluster: ClusterHandle, tmp_path):
+    namespace = f"mon-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.apply(yaml.safe_dump_all([_pod("scraped", True), _pod("ignored", False)]), namespace)
+    rules = tmp_path / "flotilla-rules.yaml"
+    rules.write_text(render())
+    url = local.up(cluster, tmp_path, rule_files=[str(rules)], log=lambda _: None)
+    try:
+        found = wait_for(
+            lambda: _query(url, f'flotilla_probe_value{{namespace="{namespace}"}}'),
+            120,
+            "Prometheus to discover and scrape the annotated pod",
+        )
+        assert [s["metric"]["pod"] for s in found] == ["scraped"]
+        assert float(found[0]["value"][1]) == 42
+        targets = _get(f"{url}/api/v1/targets")["data"]["activeTargets"]
+        pods = {t["labels"].get("pod") for t in targets if t["labels"].get("namespace") == namespace}
+        assert pods == {"scraped"}  # the unannotated pod is not a target
+
+        account = f"system:serviceaccount:{local.NAMESPACE}:{local.ACCOUNT}"
+        for verb, resource, allowed in (("list", "pods", "yes"), ("watch", "pods", "yes"),
+                                        ("list", "secrets", "no"), ("list", "services", "no")):  # fmt: skip
+            answer = cluster.kubectl("auth", "can-i", verb, resource, "-A", "--as", account, check=False)
+            assert answer.stdout.strip() == allowed, (verb, resource, answer.stdout, answer.stderr)
+
+        groups = _get(f"{url}/api/v1/rules")["data"]["groups"]
+        names = {rule["name"] for group in groups for rule in group["rules"]}
+        assert any(name.startswith("flotilla:") for name in names)
+        assert any(name.startswith("Flotilla") for name in names)  # the alerts
+    finally:
+        ProcessTable(tmp_path / "pids").stop(local.PROCESS)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -1,0 +1,81 @@
+"""`flotilla monitoring ...`: the Prometheus rules (and whatever else monitoring adds).
+
+Import-light: yaml and the rules' data only, loaded inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# Relative to the working directory: run from the repository root.
+RULES_FILE = Path("deploy") / "monitoring" / "flotilla-rules.yaml"
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    rules = subparsers.add_parser(
+        "rules", help=f"regenerate {RULES_FILE} (recording rules and alerts) from flotilla.monitoring.rules"
+    )
+    rules.add_argument(
+        "--out", type=Path, default=RULES_FILE, help=f"file to write (default: ./{RULES_FILE})"
+    )
+    rules.add_argument("--check", action="store_true", help="fail if the file differs instead of writing")
+    rules.set_defaults(func=_rules)
+
+    up = subparsers.add_parser(
+        "up",
+        help="start a Prometheus for the local cluster (kubernetes_sd, Flotilla's rules); "
+        "`flotilla cluster down` stops it",
+    )
+    up.add_argument("--state-dir", type=Path, help="the local cluster's state folder (default: the usual)")
+    up.add_argument("--port", type=int, default=9090, help="listen on 127.0.0.1:PORT (default 9090)")
+    up.add_argument(
+        "--operator",
+        metavar="HOST:PORT",
+        action="append",
+        default=[],
+        help="also scrape an operator running outside the cluster (as `flotilla demo` starts it)",
+    )
+    up.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    import sys
+
+    from flotilla.cluster.control_plane import ClusterConfig
+    from flotilla.cluster.handle import ClusterHandle
+    from flotilla.cluster.paths import default_state_dir
+    from flotilla.monitoring.local import up
+    from flotilla.monitoring.rules import render
+
+    state_dir = args.state_dir or default_state_dir()
+    config = ClusterConfig.load(state_dir)
+    if config is None:
+        print(
+            f"flotilla monitoring up: no cluster in {state_dir}; run `flotilla cluster up`", file=sys.stderr
+        )
+        return 3
+    rules = state_dir / "prometheus" / "flotilla-rules.yaml"
+    rules.parent.mkdir(parents=True, exist_ok=True)
+    rules.write_text(render())
+    static = {"flotilla-operator": args.operator} if args.operator else None
+    url = up(ClusterHandle(config, started_here=False), state_dir, port=args.port, static_targets=static,
+             rule_files=[str(rules)])  # fmt: skip
+    print(f"Prometheus: {url} (targets: {url}/api/v1/targets)")
+    return 0
+
+
+def _rules(args: argparse.Namespace) -> int:
+    from flotilla.monitoring.rules import render
+
+    text = render()
+    out: Path = args.out
+    if args.check:
+        if not out.exists() or out.read_text() != text:
+            print(f"out of date: {out} (run `flotilla monitoring rules`)")
+            return 1
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(out)
+    return 0
