@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.engine.bench.offline import parse_range
+from flotilla.engine.bench.setup import engine_header
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.engine_args import parse_bytes, thread_count
@@ -394,16 +395,7 @@ def run_bench_fair(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     report: dict[str, Any] = {
-        "model": str(Path(args.model).resolve()),
-        "device": str(engine.runner.device),
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(),
-        "input_len": list(input_len),
-        "output_len": list(output_len),
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "kv_cache_blocks": engine.runner.num_blocks,
+        **engine_header(args, engine, input_len, output_len),
         "duration_s": args.duration,
         "drain_limit_s": args.drain_limit * args.duration,
         "ratio": args.ratio,

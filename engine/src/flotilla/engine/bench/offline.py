@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flotilla.engine.bench.setup import engine_header
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager, cdiv
 from flotilla.engine.core.request import Request
@@ -239,17 +240,8 @@ def run_offline(args) -> int:
     vocab = engine.model_config.vocab_size
     work = make_workload(args.num_prompts, input_len, output_len, vocab, args.seed)
     report: dict[str, Any] = {
-        "model": str(Path(args.model).resolve()),
-        "device": str(engine.runner.device),
-        "dtype": str(engine.runner.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(),
+        **engine_header(args, engine, input_len, output_len),
         "num_prompts": args.num_prompts,
-        "input_len": list(input_len),
-        "output_len": list(output_len),
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "kv_cache_blocks": engine.runner.num_blocks,
     }
     log(
         f"bench: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, on {report['device']}"

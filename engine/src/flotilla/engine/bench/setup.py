@@ -1,0 +1,27 @@
+"""What every benchmark report starts with: the model, the device and the engine's shape, so that two
+reports can be compared knowing what ran."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def engine_header(
+    args: argparse.Namespace, engine, input_len: tuple[int, int], output_len: tuple[int, int]
+) -> dict[str, Any]:
+    import torch
+
+    return {
+        "model": str(Path(args.model).resolve()),
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "input_len": list(input_len),
+        "output_len": list(output_len),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "kv_cache_blocks": engine.runner.num_blocks,
+    }
