@@ -18,7 +18,10 @@ GROUPS: dict[str, tuple[str, str]] = {
     "cluster": ("flotilla.cluster.cli", "the local Kubernetes cluster: build, up, down, status"),
     "usage": ("flotilla.operator.cmd.usage", "GPU usage and cost reports per tenant"),
     "demo": ("flotilla.demo", "the operator, a Tenant and a Ready InferenceService on the local cluster"),
-    "monitoring": ("flotilla.monitoring.cli", "Prometheus recording rules and alerts for Flotilla"),
+    "monitoring": (
+        "flotilla.monitoring.cli",
+        "Prometheus rules and alerts, Grafana dashboards, a local Prometheus",
+    ),
 }
 
 

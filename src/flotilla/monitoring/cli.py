@@ -1,6 +1,6 @@
-"""`flotilla monitoring ...`: the Prometheus rules (and whatever else monitoring adds).
+"""`flotilla monitoring ...`: the Prometheus rules, the Grafana dashboards, a local Prometheus.
 
-Import-light: yaml and the rules' data only, loaded inside the commands.
+Import-light: yaml and the rules' and dashboards' data only, loaded inside the commands.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 # Relative to the working directory: run from the repository root.
 RULES_FILE = Path("deploy") / "monitoring" / "flotilla-rules.yaml"
+DASHBOARDS_DIR = Path("deploy") / "monitoring" / "dashboards"
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +22,19 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     rules.add_argument("--check", action="store_true", help="fail if the file differs instead of writing")
     rules.set_defaults(func=_rules)
+
+    dashboards = subparsers.add_parser(
+        "dashboards",
+        help=f"regenerate the Grafana dashboards in {DASHBOARDS_DIR} (<uid>.json and configmaps.yaml, "
+        "ConfigMaps for Grafana's sidecar) from flotilla.monitoring.dashboards",
+    )
+    dashboards.add_argument(
+        "--out-dir", type=Path, default=DASHBOARDS_DIR, help=f"folder to write (default: ./{DASHBOARDS_DIR})"
+    )
+    dashboards.add_argument(
+        "--check", action="store_true", help="fail if a file differs (or is left over) instead of writing"
+    )
+    dashboards.set_defaults(func=_dashboards)
 
     up = subparsers.add_parser(
         "up",
@@ -79,3 +93,26 @@ def _rules(args: argparse.Namespace) -> int:
     out.write_text(text)
     print(out)
     return 0
+
+
+def _dashboards(args: argparse.Namespace) -> int:
+    from flotilla.monitoring.dashboards import files
+
+    wanted = files()
+    out: Path = args.out_dir
+    if args.check:
+        stale = [out / name for name, text in wanted.items() if _read(out / name) != text]
+        # A dashboard renamed or removed leaves its old JSON behind.
+        stale += sorted(p for p in out.glob("*.json") if p.name not in wanted)
+        for path in stale:
+            print(f"out of date: {path} (run `flotilla monitoring dashboards`)")
+        return 1 if stale else 0
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in wanted.items():
+        (out / name).write_text(text)
+        print(out / name)
+    return 0
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None

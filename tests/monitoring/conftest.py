@@ -1,0 +1,94 @@
+"""What the monitoring tests share: the series the project exports, the labels a series may be grouped by,
+and every promtool here."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from flotilla import contract
+from flotilla.monitoring import rules
+
+# Labels a rule or a panel may aggregate or match by: bounded by the cluster's objects or fixed sets.
+# Anything per request or per user (a request id, an API key, a user name) must never become a series.
+BOUNDED_LABELS = frozenset(
+    {
+        contract.LABEL_TENANT,
+        contract.LABEL_NAMESPACE,
+        contract.LABEL_SERVICE,
+        contract.LABEL_GPU_TYPE,
+        contract.LABEL_REASON,
+        contract.LABEL_TRIGGER,
+        contract.LABEL_LE,
+        "job",  # Prometheus's target labels, for `up`
+        "instance",
+    }
+)
+
+
+def _exported_series() -> set[str]:
+    """Every sample name the engine and the operator expose, from their own registries."""
+    from prometheus_client import REGISTRY
+
+    import flotilla.operator.autoscaling.metrics
+    import flotilla.operator.metrics
+    import flotilla.operator.tenancy.metering_metrics  # noqa: F401 (registers the tenant collector)
+    from flotilla.engine.core.outputs import EngineStats
+    from flotilla.engine.server.metrics import EngineMetrics
+
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_count", "_sum"),
+        "summary": ("_count", "_sum", ""),
+    }
+    names = set()
+    engine = EngineMetrics("m", lambda: EngineStats()).registry
+    for registry in (engine, REGISTRY):
+        for family in registry.collect():
+            names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    return names
+
+
+@pytest.fixture(scope="session")
+def exported_series() -> set[str]:
+    return _exported_series()
+
+
+@pytest.fixture(scope="session")
+def known_series(exported_series: set[str]) -> set[str]:
+    """What a query may read: an exported series, a recorded one, or one Prometheus records itself."""
+    return exported_series | {r.name for r in rules.records()} | rules.PROMETHEUS_SERIES
+
+
+@pytest.fixture(scope="session")
+def bounded_labels() -> frozenset[str]:
+    return BOUNDED_LABELS
+
+
+def _promtools() -> list[str]:
+    """Every promtool here: the one `flotilla cluster build` makes (the newest) and the one on PATH."""
+    found = []
+    try:
+        from flotilla.cluster.paths import promtool_path
+
+        built = promtool_path()
+        if built.exists():
+            found.append(str(built))
+    except ImportError:
+        pass
+    on_path = shutil.which("promtool")
+    if on_path:
+        found.append(on_path)
+    return found
+
+
+PROMTOOLS = _promtools()
+
+
+@pytest.fixture(params=PROMTOOLS or [""], ids=lambda p: p or "no-promtool")
+def promtool(request: pytest.FixtureRequest) -> str:
+    """Each promtool in turn; the test is skipped where there is none."""
+    if not request.param:
+        pytest.skip("promtool is not installed (run `flotilla cluster build`, or put promtool on PATH)")
+    return request.param
