@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from flotilla.engine.bench.fair import (
+from flotilla.engine.bench.fair import make_schedule
+from flotilla.engine.bench.fair_figures import (
     RequestRecord,
     compare,
     jain_index,
-    make_schedule,
     max_min_shares,
     percentile,
     summarize,
