@@ -47,3 +47,14 @@ def test_pods_find_flotilla_when_the_agent_path_lacks_the_venv(tmp_path, monkeyp
         outcome = _run_to_exit(runtime)
     assert outcome["terminated"] is not None, outcome["waiting"]
     assert outcome["terminated"]["exitCode"] == 0, (tmp_path / "logs" / "main.log").read_text()
+
+
+def test_exec_probes_run_in_the_containers_environment():
+    import os
+
+    from flotilla.cluster.probes import run_probe
+
+    probe = {"exec": {"command": ["sh", "-c", 'test "$PROBE_MARK" = ready']}, "timeoutSeconds": 10}
+    path = {"PATH": os.environ.get("PATH", os.defpath)}
+    assert run_probe(probe, "127.0.0.1", [], env={**path, "PROBE_MARK": "ready"})
+    assert not run_probe(probe, "127.0.0.1", [], env={**path, "PROBE_MARK": "other"})

@@ -41,6 +41,7 @@ class ContainerRun:
     waiting_message: str = ""
     next_start: float = 0.0
     backoff: float = 0.0
+    env: dict[str, str] | None = None  # the running process's environment (exec probes run in it)
     startup: ProbeTracker | None = None
     liveness: ProbeTracker | None = None
     readiness: ProbeTracker | None = None
@@ -115,6 +116,7 @@ class PodRuntime:
             return
         process_env = base_env(os.environ, SCRIPTS_DIR)
         process_env.update(env)
+        run.env = process_env
         workdir = Path(run.spec.get("workingDir") or self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -169,7 +171,7 @@ class PodRuntime:
             return
         tracker.running = True
         ports = run.spec.get("ports") or []
-        future = self.probe_pool.submit(run_probe, tracker.probe, self.pod_ip, ports)
+        future = self.probe_pool.submit(run_probe, tracker.probe, self.pod_ip, ports, run.env)
         future.add_done_callback(lambda f: tracker.record(bool(f.exception() is None and f.result())))
 
     def sync(self, now: float) -> None:

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 import httpx
 
 
-def run_probe(probe: dict, pod_ip: str, container_ports: list[dict]) -> bool:
+def run_probe(
+    probe: dict, pod_ip: str, container_ports: list[dict], env: dict[str, str] | None = None
+) -> bool:
+    """One probe. `env`: the container's environment, which an exec probe runs in (as in a container)."""
     timeout = float(probe.get("timeoutSeconds", 1))
     if "httpGet" in probe:
         spec = probe["httpGet"]
@@ -38,7 +41,10 @@ def run_probe(probe: dict, pod_ip: str, container_ports: list[dict]) -> bool:
     if "exec" in probe:
         try:
             return (
-                subprocess.run(probe["exec"]["command"], timeout=timeout, capture_output=True).returncode == 0
+                subprocess.run(
+                    probe["exec"]["command"], timeout=timeout, capture_output=True, env=env
+                ).returncode
+                == 0
             )
         except (OSError, subprocess.TimeoutExpired):
             return False
