@@ -5,6 +5,7 @@ every series a rule reads is one the project exports, and no rule keeps a per-re
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,39 @@ def test_every_alert_has_a_runbook_a_severity_and_a_summary():
     for alert in rules.alerts():
         assert alert.severity in ("warning", "critical")
         assert alert.summary and alert.description and alert.runbook and "\n" not in alert.runbook
+
+
+_COMPARISON = re.compile(r"\s(?:==|!=|>=|<=|>|<)\s+(?!bool\b)")
+
+
+def test_every_alert_signal_is_its_own_expression_without_the_filter():
+    """The signal is the alert's expression with `bool` on its comparisons (or what absent() reads), so it
+    has a series whenever the alert's inputs exist, firing or not."""
+    for alert in rules.alerts():
+        assert alert.signal.replace(" bool", "") in alert.expr, alert.name
+        assert not _COMPARISON.search(alert.signal), f"{alert.name}: a comparison without bool filters"
+        assert alert.signal.replace(" bool", "") == alert.expr or alert.expr.startswith("absent("), alert.name
+    assert "signal" not in rules.render()  # the rules file carries only what Prometheus reads
+
+
+def test_the_comparison_check_tells_a_filter_from_a_bool():
+    assert _COMPARISON.search("a > 0") and _COMPARISON.search("a == on (x) b")
+    assert not _COMPARISON.search("a > bool 0") and not _COMPARISON.search('a{le=~"1"} >= bool on (x) b')
+
+
+def test_promtool_parses_every_alert_signal(tmp_path, promtool):
+    groups = [
+        {
+            "name": "signals",
+            "rules": [{"record": f"flotilla_signal:{a.name}", "expr": a.signal} for a in rules.alerts()],
+        }
+    ]
+    path = tmp_path / "signals.yaml"
+    path.write_text(yaml.safe_dump({"groups": groups}))
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_promtool_accepts_the_rules(promtool):

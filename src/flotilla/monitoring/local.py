@@ -48,9 +48,11 @@ def up(
     port: int = 0,
     static_targets: dict[str, list[str]] | None = None,
     rule_files: list[str] | None = None,
+    interval: str = "15s",
     log=print,
 ) -> str:
-    """Starts (or restarts) the local Prometheus; returns its URL once it answers /-/ready."""
+    """Starts (or restarts) the local Prometheus; returns its URL once it answers /-/ready. `interval` is
+    both the scrape and the rule evaluation interval."""
     binary = prometheus_path()
     if not binary.exists():
         raise RuntimeError(f"{binary} is missing: run `flotilla cluster build`")
@@ -62,7 +64,9 @@ def up(
     token_file.write_text(token)
     token_file.chmod(0o600)
     access = ApiAccess(cluster.config.server, str(cluster.config.pki_dir / "ca.crt"), str(token_file))
-    config = prometheus_config(access, static_targets=static_targets, rule_files=rule_files)
+    config = prometheus_config(
+        access, static_targets=static_targets, rule_files=rule_files, interval=interval
+    )
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     table = ProcessTable(state_dir / "pids")
     table.stop(PROCESS)

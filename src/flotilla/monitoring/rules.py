@@ -59,6 +59,11 @@ class Alert:
     summary: str
     description: str
     runbook: str  # one line: what to look at and what to do
+    # What the alert watches, with a series whenever its inputs exist, firing or not: the expression with
+    # `bool` on each comparison (0 or 1 per matched pair), or what absent() reads. A healthy fleet fires no
+    # alert, but it must give every signal a series (e2e/test_governance.py evaluates them live), so that a
+    # quiet alert is told apart from one whose expression can never match. Not in the rules file.
+    signal: str
 
 
 @dataclass(frozen=True)
@@ -387,6 +392,8 @@ ALERTS = (
         "kubectl get tenant {{ $labels.tenant }} -o yaml: compare status.gpusAllocated with "
         "spec.gpuQuota; raise the quota or scale the tenant's services down (flotilla usage --tenant "
         "{{ $labels.tenant }} shows who holds what).",
+        signal=f"{TENANT_GPUS_ALLOCATED} >= bool {QUOTA_ALERT_RATIO} * {TENANT_GPU_QUOTA}\n"
+        f"and {TENANT_GPUS_ALLOCATED} > bool 0",
     ),
     Alert(
         ALERT_TTFT,
@@ -399,6 +406,7 @@ ALERTS = (
         "kubectl get fisvc -n {{ $labels.namespace }} {{ $labels.service }} -o jsonpath='{.status.autoscaling}'"
         ": ScalingLimited at maxReplicas or QuotaLimited means it cannot grow (raise maxReplicas or the "
         "quota); otherwise check queue depth and KV-cache usage on the service dashboard.",
+        signal=f"{SERVICE_TTFT_P95} > bool on ({SERVICE_BY}) {SERVICE_TTFT_TARGET}",
     ),
     Alert(
         ALERT_NOT_READY,
@@ -410,6 +418,7 @@ ALERTS = (
         "kubectl describe fisvc -n {{ $labels.namespace }} {{ $labels.service }}: the Valid, "
         "QuotaAdmitted and Degraded conditions say why; then the pods' events and logs "
         "(kubectl get pods -n {{ $labels.namespace }} -l flotilla.dev/inferenceservice={{ $labels.service }}).",
+        signal=f"{SERVICE_READY} == bool 0\nand on ({SERVICE_BY}) {SERVICE_REPLICAS_DESIRED} > bool 0",
     ),
     Alert(
         ALERT_ENGINE_DOWN,
@@ -421,6 +430,8 @@ ALERTS = (
         "tokens and queue are missing from every rule.",
         "kubectl get pod -n {{ $labels.namespace }} {{ $labels.pod }} -o wide and its logs: a crashed or "
         "stuck engine, or a network policy in the way of the scrape; /health answers 503 while loading.",
+        signal=f"up == bool 0\n"
+        f"and on (job, instance) last_over_time({c.NUM_REQUESTS_RUNNING}[{ENGINE_SEEN_WINDOW}])",
     ),
     Alert(
         ALERT_RECONCILE_ERRORS,
@@ -431,6 +442,7 @@ ALERTS = (
         "Reconciles have raised in every 5-minute window for 15 minutes; kopf retries them with backoff.",
         "Read the operator's log (JSON lines) for 'reconcile failed' and the services' Degraded conditions "
         "(kubectl get fisvc -A); API refusals (RBAC, quotas, webhooks) are the usual cause.",
+        signal=f"{RECONCILE_ERRORS} > bool 0",
     ),
     Alert(
         ALERT_DENIALS,
@@ -446,6 +458,8 @@ ALERTS = (
         "tenant {{ $labels.tenant }} -o yaml; raise the quota or scale down); GPUTypeNotInQuota or NoTenant, "
         "a namespace or GPU type no Tenant covers; Invalid*, a spec the webhook refuses (the client sees the "
         "message); TenantConflict, a Tenant claiming another's namespace.",
+        signal=f"sum by ({c.LABEL_TENANT}, {c.LABEL_REASON}) "
+        f"(increase({c.counter_total(c.ADMISSION_DENIALS)}[{DENIAL_WINDOW}])) > bool {DENIAL_SPIKE}",
     ),
     Alert(
         ALERT_METERING,
@@ -457,6 +471,7 @@ ALERTS = (
         "(nothing is lost; the next successful round covers the gap).",
         "kubectl get tenant {{ $labels.tenant }} -o jsonpath='{.status.lastMeteredTime}' and the "
         "operator's log for 'metering round failed' (API errors, conflicts, RBAC on tenants/status).",
+        signal=f"{TENANT_METERING_LAG} > bool {METERING_STALE_SECONDS}",
     ),
     Alert(
         ALERT_BUDGET,
@@ -468,6 +483,7 @@ ALERTS = (
         "{{ $value | humanize }}, above spec.monthlyBudget.",
         "flotilla usage --tenant {{ $labels.tenant }} --since <first of the month> shows where the cost "
         "goes; scale idle services down (see the idle-GPU ratio) or raise spec.monthlyBudget.",
+        signal=f"{TENANT_MONTH_COST_FORECAST} > bool on ({TENANT_BY}) {TENANT_MONTHLY_BUDGET}",
     ),
     Alert(
         ALERT_OPERATOR_DOWN,
@@ -479,6 +495,7 @@ ALERTS = (
         "(failurePolicy Fail) InferenceService writes are refused.",
         "kubectl get pods -n flotilla-system and the operator's log; check that Prometheus scrapes it "
         "(the pod's prometheus.io annotations, --metrics-port).",
+        signal=f"sum({c.counter_total(c.RECONCILES)})",
     ),
 )
 
