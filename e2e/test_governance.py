@@ -398,6 +398,7 @@ def test_every_panel_rule_and_alert_query_returns_data(fleet: Fleet, evaluated: 
         "evaluation rounds": fleet.passes,
         "seconds of Prometheus data": round(fleet.evaluated_at - fleet.started, 1),
         "load": fleet.load,
+        "series": _series_counts(fleet),
         "problems": [
             {"kind": q.kind, "where": q.where, "expr": q.expr, "problem": q.problem}
             for q in evaluated
@@ -422,6 +423,22 @@ def test_every_panel_rule_and_alert_query_returns_data(fleet: Fleet, evaluated: 
     )
     problems = [f"{q.kind} {q.where}: {q.problem}\n    {q.expr}" for q in evaluated if q.problem]
     assert not problems, f"{len(problems)} queries without data:\n" + "\n".join(problems)
+
+
+def _series_counts(fleet: Fleet) -> dict[str, int]:
+    """How many series one service and one tenant cost Prometheus (the README quotes these)."""
+    service = f'namespace="{fleet.ns_a}",service="chat"'
+    counts = {
+        "scraped from one engine pod": f'count({{__name__=~"flotilla_.*",namespace="{fleet.ns_a}",pod=~"chat-.*"}})',
+        "operator series of one service": f'count({{job="flotilla-operator",{service}}})',
+        "operator series of one tenant": f'count({{job="flotilla-operator",tenant="{fleet.tenant_a}"}})',
+        "recorded series of one service": f'count({{__name__=~"flotilla:.*",{service}}})',
+        "recorded series of one tenant": f'count({{__name__=~"flotilla:.*",tenant="{fleet.tenant_a}"}})',
+    }
+    return {
+        what: int(_value(found[0])) if (found := _vector(fleet.prometheus, q)) else 0
+        for what, q in counts.items()
+    }
 
 
 def test_each_dashboard_is_drawn_from_those_results(fleet: Fleet, evaluated: list[Query]):
