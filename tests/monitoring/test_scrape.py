@@ -49,3 +49,28 @@ def test_prometheus_may_only_read_pods():
     assert DISCOVERY_RULES == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     role = next(o for o in discovery_rbac() if o["kind"] == "ClusterRole")
     assert role["rules"] == DISCOVERY_RULES
+
+
+def test_the_plain_scrape_file_is_current_and_promtool_accepts_it_with_the_rules(tmp_path):
+    """deploy/monitoring/ holds what a Prometheus without the operator mounts: the generated scrape
+    config and the rules file; promtool loads both together."""
+    import shutil
+    from pathlib import Path
+
+    from flotilla.monitoring.scrape import in_cluster_config
+
+    deploy = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
+    text = in_cluster_config("flotilla-rules.yaml")
+    assert (deploy / "prometheus-scrape.yaml").read_text() == text, "run `flotilla monitoring scrape`"
+    shutil.copy(deploy / "flotilla-rules.yaml", tmp_path / "flotilla-rules.yaml")
+    (tmp_path / "prometheus.yml").write_text(text)
+    promtool = promtool_path()
+    assert promtool.exists(), f"{promtool} is missing: run `flotilla cluster build` (make test does)"
+    result = subprocess.run(
+        [str(promtool), "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout and "rules found" in result.stdout

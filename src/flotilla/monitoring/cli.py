@@ -11,6 +11,7 @@ from pathlib import Path
 # Relative to the working directory: run from the repository root.
 RULES_FILE = Path("deploy") / "monitoring" / "flotilla-rules.yaml"
 DASHBOARDS_DIR = Path("deploy") / "monitoring" / "dashboards"
+SCRAPE_FILE = Path("deploy") / "monitoring" / "prometheus-scrape.yaml"
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +36,16 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--check", action="store_true", help="fail if a file differs (or is left over) instead of writing"
     )
     dashboards.set_defaults(func=_dashboards)
+
+    scrape = subparsers.add_parser(
+        "scrape",
+        help=f"regenerate {SCRAPE_FILE}: the scrape job and rule file for a Prometheus without the operator",
+    )
+    scrape.add_argument(
+        "--out", type=Path, default=SCRAPE_FILE, help=f"file to write (default: ./{SCRAPE_FILE})"
+    )
+    scrape.add_argument("--check", action="store_true", help="fail if the file differs instead of writing")
+    scrape.set_defaults(func=_scrape)
 
     up = subparsers.add_parser(
         "up",
@@ -82,11 +93,19 @@ def _up(args: argparse.Namespace) -> int:
 def _rules(args: argparse.Namespace) -> int:
     from flotilla.monitoring.rules import render
 
-    text = render()
-    out: Path = args.out
-    if args.check:
-        if not out.exists() or out.read_text() != text:
-            print(f"out of date: {out} (run `flotilla monitoring rules`)")
+    return _write_or_check(args.out, render(), args.check, "rules")
+
+
+def _scrape(args: argparse.Namespace) -> int:
+    from flotilla.monitoring.scrape import in_cluster_config
+
+    return _write_or_check(args.out, in_cluster_config(RULES_FILE.name), args.check, "scrape")
+
+
+def _write_or_check(out: Path, text: str, check: bool, command: str) -> int:
+    if check:
+        if _read(out) != text:
+            print(f"out of date: {out} (run `flotilla monitoring {command}`)")
             return 1
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
