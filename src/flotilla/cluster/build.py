@@ -1,4 +1,4 @@
-"""Builds etcd and the Kubernetes control plane with Go from the module proxy, cached per version."""
+"""Builds etcd, the Kubernetes control plane, Prometheus and Helm with Go from the module proxy, cached per version."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.cluster.gomod import GOMOD_DIR, go_env
-from flotilla.cluster.paths import etcd_bin_dir, kubernetes_bin_dir, prometheus_bin_dir
-from flotilla.cluster.versions import ETCD_VERSION, KUBERNETES_VERSION, prometheus_release
+from flotilla.cluster.paths import etcd_bin_dir, helm_bin_dir, kubernetes_bin_dir, prometheus_bin_dir
+from flotilla.cluster.versions import ETCD_VERSION, HELM_VERSION, KUBERNETES_VERSION, prometheus_release
 
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 PROMETHEUS_BINARIES = ("prometheus", "promtool")
@@ -80,7 +80,14 @@ def targets() -> list[Target]:
         )
         for name in PROMETHEUS_BINARIES
     ]
-    return [etcd, *kube, *prometheus]
+    helm = Target("helm", "helm.sh/helm/v4/cmd/helm", GOMOD_DIR / "helm", helm_bin_dir(), _helm_ldflags(HELM_VERSION))
+    return [etcd, *kube, *prometheus, helm]
+
+
+def _helm_ldflags(version: str) -> str:
+    # Helm reports this version and, in `helm template`/`lint`, uses it for .Capabilities.HelmVersion.
+    values = {"version": version, "gitCommit": "", "gitTreeState": "clean"}
+    return " ".join(["-s", "-w", *(f"-X 'helm.sh/helm/v4/internal/version.{k}={v}'" for k, v in values.items())])
 
 
 def _prometheus_ldflags(release: str) -> str:
@@ -145,7 +152,7 @@ def build(force: bool = False, log=None) -> dict:
     if not todo:
         log(
             f"binaries cached: kubernetes {KUBERNETES_VERSION}, etcd {ETCD_VERSION}, "
-            f"prometheus {prometheus_release()}"
+            f"prometheus {prometheus_release()}, helm {HELM_VERSION}"
         )
         return {"built": [], "seconds": 0.0}
     started = time.monotonic()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flotilla.cluster.versions import (
     ETCD_VERSION,
+    HELM_VERSION,
     KUBERNETES_VERSION,
     PROMETHEUS_MODULE_VERSION,
     staging_version,
@@ -120,6 +121,15 @@ def prometheus_wrapper_gomod(release_gomod: str, module_version: str = PROMETHEU
     return "\n".join(lines)
 
 
+def helm_wrapper_gomod(release_gomod: str, helm_version: str = HELM_VERSION) -> str:
+    if parse_replaces(release_gomod):
+        raise RuntimeError(f"helm.sh/helm/v4 {helm_version} has replace directives")
+    lines = [HEADER, "module flotilla.dev/localcluster/helm", ""]
+    lines.append(f"go {parse_directive(release_gomod, 'go')}")
+    lines += ["", f"require helm.sh/helm/v4 {helm_version}", ""]
+    return "\n".join(lines)
+
+
 def generate(progress=print) -> None:
     """Rewrites the wrapper go.mod files from the pinned releases, then lets `go mod tidy` fill go.sum."""
     jobs = [
@@ -137,6 +147,7 @@ def generate(progress=print) -> None:
                 release_gomod_text("github.com/prometheus/prometheus", PROMETHEUS_MODULE_VERSION)
             ),
         ),
+        (GOMOD_DIR / "helm", helm_wrapper_gomod(release_gomod_text("helm.sh/helm/v4", HELM_VERSION))),
     ]
     for folder, text in jobs:
         (folder / "go.mod").write_text(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flotilla.cluster.versions import ETCD_VERSION, KUBERNETES_VERSION, prometheus_release
+from flotilla.cluster.versions import ETCD_VERSION, HELM_VERSION, KUBERNETES_VERSION, prometheus_release
 
 
 def cache_root() -> Path:
@@ -30,6 +30,14 @@ def prometheus_path() -> Path:
 
 def promtool_path() -> Path:
     return prometheus_bin_dir() / "promtool"
+
+
+def helm_bin_dir() -> Path:
+    return cache_root() / f"helm-{HELM_VERSION}" / "bin"
+
+
+def helm_path() -> Path:
+    return helm_bin_dir() / "helm"
 
 
 def default_state_dir() -> Path:

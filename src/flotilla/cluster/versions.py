@@ -4,6 +4,8 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 # Prometheus publishes Go module versions v0.X.Y for its releases 3.X.Y (v0.316.0 is Prometheus 3.16.0).
 PROMETHEUS_MODULE_VERSION = "v0.316.0"
+# Helm 4, the CLI that installs the chart (charts/flotilla), built like the rest from the Go module proxy.
+HELM_VERSION = "v4.3.2"
 
 
 def prometheus_release(module_version: str = PROMETHEUS_MODULE_VERSION) -> str:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flotilla.contract import ENGINE_IMAGE
+
 ENGINE_SHUTDOWN_DELAY = 5  # seconds the engine serves on after SIGTERM while endpoints drop it
 
 
 @dataclass(frozen=True)
 class OperatorConfig:
     # The engine image when a spec names none. The local cluster ignores images and runs the command.
-    default_image: str = "ghcr.io/flotilla-dev/flotilla-engine:0.1.0"
+    default_image: str = ENGINE_IMAGE
     # When set, hf://org/name resolves to <hf_cache_dir>/org/name on the node (the local cluster's model
     # cache); when unset, an init container downloads the model into an emptyDir.
     hf_cache_dir: str | None = None

@@ -62,6 +62,24 @@ class Kube:
         )
         _drain(response)
 
+    def ensure_peering(self, name: str) -> bool:
+        """Creates the ClusterKopfPeering `name` if kopf's peering CRD is installed and the object is not.
+
+        A Helm chart cannot ship a custom object beside the CRD that defines it in one release, so the
+        operator makes its own meeting place. False when the CRD is absent (kopf then runs standalone)."""
+        from kubernetes.client.exceptions import ApiException
+
+        API_CALLS.labels(verb="create", resource="clusterkopfpeerings").inc()
+        body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+        try:
+            self.custom.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", body)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            if exc.status != 409:
+                raise
+        return True
+
     def patch_status(self, namespace: str, name: str, status: dict) -> None:
         API_CALLS.labels(verb="patch", resource="inferenceservices/status").inc()
         response = self.custom.patch_namespaced_custom_object_status(

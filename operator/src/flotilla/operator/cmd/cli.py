@@ -11,6 +11,7 @@ from pathlib import Path
 # Defaults are relative to the working directory: run these from the repository root.
 CRD_DIR = Path("crds")
 RBAC_FILE = Path("deploy") / "operator-rbac.yaml"
+CHART_DIR = Path("charts") / "flotilla"
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +25,29 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     rbac.add_argument("--namespace", default="flotilla-system")
     rbac.add_argument("--check", action="store_true", help="fail if the file differs instead of writing")
     rbac.set_defaults(func=_rbac)
+
+    chart = subparsers.add_parser(
+        "chart", help="regenerate charts/flotilla/files/ (CRDs, RBAC rules, monitoring) from the generators"
+    )
+    chart.add_argument(
+        "--out", type=Path, default=CHART_DIR, help="the chart folder (default: ./charts/flotilla)"
+    )
+    chart.add_argument("--check", action="store_true", help="fail if the files differ instead of writing")
+    chart.set_defaults(func=_chart)
+
+    release = subparsers.add_parser(
+        "release-finalizers",
+        help="stop the operator and remove its finalizers (the chart's pre-delete hook, before helm uninstall)",
+    )
+    _add_module_arguments(release, "release_finalizers")
+    release.set_defaults(func=lambda args: _run_module(args, "release_finalizers"))
+
+    smoke = subparsers.add_parser(
+        "smoke-test",
+        help="apply a tiny InferenceService and ask it for one completion (the chart's helm test)",
+    )
+    _add_module_arguments(smoke, "smoke_test")
+    smoke.set_defaults(func=lambda args: _run_module(args, "smoke_test"))
 
     bench = subparsers.add_parser(
         "bench", help="scale benchmark: N InferenceServices on a simulated cluster; prints figures"
@@ -64,6 +88,18 @@ def _add_tenancy_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
+def _add_module_arguments(parser: argparse.ArgumentParser, module: str) -> None:
+    import importlib  # these command modules import only argparse and the API names at the top
+
+    importlib.import_module(f"flotilla.operator.cmd.{module}").add_arguments(parser)
+
+
+def _run_module(args: argparse.Namespace, module: str) -> int:
+    import importlib
+
+    return importlib.import_module(f"flotilla.operator.cmd.{module}").run(args)
+
+
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from flotilla.operator.cmd.bench import add_arguments  # import-light: argparse, yaml
 
@@ -86,6 +122,19 @@ def _crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chart(args: argparse.Namespace) -> int:
+    from flotilla.operator.controllers.admission import webhook_definitions
+    from flotilla.operator.manifests.chart import files, write
+
+    if args.check:
+        return _check(
+            {args.out / "files" / name: text for name, text in files(webhook_definitions()).items()}
+        )
+    for path in write(webhook_definitions(), args.out):
+        print(path)
+    return 0
+
+
 def _rbac(args: argparse.Namespace) -> int:
     from flotilla.operator.manifests.rbac import render
 
@@ -101,7 +150,7 @@ def _rbac(args: argparse.Namespace) -> int:
 def _check(expected: dict[Path, str]) -> int:
     stale = [str(p) for p, text in expected.items() if not p.exists() or p.read_text() != text]
     for path in stale:
-        print(f"out of date: {path} (run `flotilla operator crds` / `flotilla operator rbac`)")
+        print(f"out of date: {path} (run `flotilla operator crds` / `rbac` / `chart`)")
     return 1 if stale else 0
 
 

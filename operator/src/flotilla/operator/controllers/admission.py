@@ -12,7 +12,7 @@ import time
 
 import kopf
 
-from flotilla.operator.api.v1alpha1 import GROUP, TENANT, VERSION, TenantSpec
+from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
 from flotilla.operator.controllers.indexes import ISVC, labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import AdmissionState
 from flotilla.operator.desired.admission import charged, review_service
@@ -115,3 +115,34 @@ def _known_tenants(state: AdmissionState, kwargs: dict) -> dict[str, TenantSpec]
                 del state.recent_tenants[name]
         recent = {name: spec for name, (spec, _) in state.recent_tenants.items()}
     return {**tenant_specs(kwargs["tenants"]), **recent}
+
+
+# The suffix of each webhook's name in the ValidatingWebhookConfiguration (`quota.flotilla.dev`, ...).
+WEBHOOK_NAME_SUFFIX = GROUP
+
+
+def webhook_definitions() -> list[dict]:
+    """kopf's own description of the webhooks above, for a ValidatingWebhookConfiguration that someone
+    else writes (the Helm chart): each entry as kopf would manage it, with `path` (the handler's URL path
+    under the server) in place of a client config. One source for the rules, the chart reads it."""
+    from kopf._cogs.structs import references  # kopf's builder is internal; kopf is pinned
+    from kopf._core.engines.admission import build_webhooks
+
+    resources = [
+        references.Resource(GROUP, VERSION, kind.plural, kind=kind.kind, namespaced=kind is INFERENCE_SERVICE)
+        for kind in (INFERENCE_SERVICE, TENANT)
+    ]
+    handlers = kopf.get_default_registry()._webhooks.get_all_handlers()  # noqa: SLF001
+    hooks = build_webhooks(
+        handlers,
+        resources=resources,
+        name_suffix=WEBHOOK_NAME_SUFFIX,
+        client_config={"service": {"path": ""}},
+    )
+    out = []
+    for hook in hooks:
+        path = hook.pop("clientConfig")["service"]["path"]
+        hook.pop("timeoutSeconds", None)  # a chart value
+        hook.pop("failurePolicy", None)  # a chart value
+        out.append({**{k: v for k, v in hook.items() if v is not None}, "path": path})
+    return sorted(out, key=lambda h: h["name"])

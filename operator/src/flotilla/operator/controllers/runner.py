@@ -60,6 +60,11 @@ def run_operator(
     )
     from flotilla.operator.metrics import serve
 
+    if not standalone:
+        try:
+            kube.ensure_peering(peering or PEERING)
+        except Exception as exc:  # kopf retries its own peering; one warning says why it may be standalone
+            log.warning("could not create ClusterKopfPeering %s: %s", peering or PEERING, exc)
     # Peering named `flotilla` when the kopf.dev CRD is installed (kopf's auto-detection); --peering NAME
     # makes it mandatory, --standalone turns it off.
     runtime = Runtime(config=config, kube=kube, tenancy=tenancy, peering_name=peering or PEERING)

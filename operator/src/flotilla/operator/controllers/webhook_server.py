@@ -57,10 +57,13 @@ def missing_namespace_message(namespace: str) -> str:
 def webhook_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     rt: Runtime = memo.runtime
     tenancy = rt.tenancy
-    material = _webhook_material(rt.kube, tenancy)
-    cafile, certfile, pkeyfile = webhook_tls.write_files(
-        material, Path(tempfile.mkdtemp(prefix="flotilla-webhook-"))
-    )
+    if tenancy.webhook_tls_dir:
+        cafile, certfile, pkeyfile = webhook_tls.mounted_files(Path(tenancy.webhook_tls_dir))
+    else:
+        material = _webhook_material(rt.kube, tenancy)
+        cafile, certfile, pkeyfile = webhook_tls.write_files(
+            material, Path(tempfile.mkdtemp(prefix="flotilla-webhook-"))
+        )
     settings.admission.server = kopf.WebhookServer(
         addr=tenancy.webhook_listen,
         port=tenancy.webhook_port,
@@ -69,7 +72,7 @@ def webhook_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
         certfile=certfile,
         pkeyfile=pkeyfile,
     )
-    settings.admission.managed = tenancy.webhook_configuration
+    settings.admission.managed = tenancy.webhook_configuration or None
     log.info("admission webhook on https://%s:%d", tenancy.webhook_host, tenancy.webhook_port)
 
 

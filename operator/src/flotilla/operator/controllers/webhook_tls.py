@@ -134,3 +134,14 @@ def write_files(material: Material, directory: Path) -> tuple[Path, Path, Path]:
         path.touch(mode=0o600)
         path.write_bytes(data)
     return paths
+
+
+def mounted_files(directory: Path) -> tuple[Path | None, Path, Path]:
+    """cafile (None when the Secret has no ca.crt), certfile, pkeyfile from a mounted TLS Secret.
+
+    Fails at start with the missing path, rather than serving a webhook the API server cannot trust."""
+    cert, key, ca = directory / "tls.crt", directory / "tls.key", directory / "ca.crt"
+    missing = [str(p) for p in (cert, key) if not p.is_file()]
+    if missing:
+        raise SystemExit(f"flotilla operator: --webhook-tls-dir {directory}: missing {', '.join(missing)}")
+    return (ca if ca.is_file() else None), cert, key

@@ -50,17 +50,23 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
     (
         "kopf.dev",
         ["clusterkopfpeerings"],
-        ["get", "list", "watch", "patch"],
-        "kopf peering: one active operator",
+        ["get", "list", "watch", "create", "patch"],
+        "kopf peering: one active operator; created at start (a chart cannot ship it beside its CRD)",
     ),
 ]
 
 
+def cluster_rules() -> list[dict]:
+    """The operator's ClusterRole rules: deploy/operator-rbac.yaml and the Helm chart both carry these."""
+    rules = [
+        {"apiGroups": [group], "resources": resources, "verbs": verbs}
+        for group, resources, verbs, _why in RULES + tenant_rbac.OPERATOR_RULES
+    ]
+    return [*rules, tenant_rbac.BIND_RULE]
+
+
 def manifests(namespace: str) -> list[dict]:
-    rules = []
-    for group, resources, verbs, _why in RULES + tenant_rbac.OPERATOR_RULES:
-        rules.append({"apiGroups": [group], "resources": resources, "verbs": verbs})
-    rules.append(tenant_rbac.BIND_RULE)
+    rules = cluster_rules()
     labels = {"app.kubernetes.io/name": "flotilla-operator"}
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
