@@ -8,6 +8,9 @@ echo "== ruff"
 ruff check .
 ruff format --check .
 
+echo "== hadolint (the images' Dockerfile)"
+hadolint Dockerfile
+
 echo "== import contracts (the layers in .importlinter)"
 lint-imports
 

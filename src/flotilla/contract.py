@@ -142,6 +142,18 @@ TENANT_METERED_TOKENS = "flotilla_tenant_tokens"  # counter {tenant, direction}
 TENANT_LAST_METERED = "flotilla_tenant_last_metered_timestamp_seconds"  # {tenant}: status.lastMeteredTime
 
 
+# -- the images (the Dockerfile's targets `engine` and `operator`; tests/test_images.py checks them) ----------
+# One repository per target, named after the distribution it adds to `flotilla`; tagged with the
+# distributions' version. The operator's default engine image and the Helm chart's values read these.
+IMAGE_REGISTRY = "ghcr.io/flotilla-dev"
+ENGINE_IMAGE_REPOSITORY = f"{IMAGE_REGISTRY}/flotilla-engine"
+OPERATOR_IMAGE_REPOSITORY = f"{IMAGE_REGISTRY}/flotilla-operator"
+IMAGE_TAG = "0.1.0"
+ENGINE_IMAGE = f"{ENGINE_IMAGE_REPOSITORY}:{IMAGE_TAG}"
+OPERATOR_IMAGE = f"{OPERATOR_IMAGE_REPOSITORY}:{IMAGE_TAG}"
+# The user and group both images run as, and engine pods' runAsUser, runAsGroup and fsGroup.
+IMAGE_UID = 65532
+
 # -- the commands the operator runs in engine pods -----------------------------------------------------------
 CLI = "flotilla"
 ENGINE_SERVE = (CLI, "engine", "serve")
