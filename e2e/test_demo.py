@@ -1,30 +1,36 @@
-"""`flotilla demo` (the end of `make demo`) on the tests' cluster: it must end with a Ready
-InferenceService that answered one completion, and leave an operator that `cluster down` would stop."""
+"""`flotilla demo` (the end of `make demo`) on the tests' cluster: it must install Flotilla through the
+chart (the operator as a pod), show the webhook refusing an over-quota service, and end with a Ready
+InferenceService that answered one completion."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from flotilla.cluster.handle import ClusterHandle
-from flotilla.cluster.processes import ProcessTable
+from flotilla.cluster.helm import helm
+from flotilla.operator.cmd.local_chart import NAMESPACE, RELEASE
 
 pytestmark = pytest.mark.cluster
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_demo_ends_with_a_ready_service_answering_a_completion(cluster: ClusterHandle):
-    table = ProcessTable(cluster.config.state_dir / "pids")
+
+def test_demo_installs_the_chart_and_ends_with_a_ready_service_answering_a_completion(cluster: ClusterHandle):
     try:
         result = subprocess.run(
             [sys.executable, "-m", "flotilla.cli", "demo", "--state-dir", str(cluster.config.state_dir),
              "--timeout", "300"],
-            capture_output=True, text=True, timeout=900,
+            capture_output=True, text=True, timeout=900, cwd=ROOT,
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "denied the request" in result.stdout and "quota" in result.stdout, result.stdout
         assert "text: '" in result.stdout and "usage: " in result.stdout, result.stdout
-        # Token metering end to end: the operator read the engine pod's counters into the Tenant.
+        # Token metering end to end: the operator (a pod now) read the engine pod's counters into the Tenant.
         tenant = cluster.get_json("tenant", "demo-team")["status"]
         assert tenant["tokens"]["output"] >= 12 and tenant["tokens"]["input"] > 0, tenant
         assert "tokens in" in result.stdout, result.stdout
@@ -32,8 +38,15 @@ def test_demo_ends_with_a_ready_service_answering_a_completion(cluster: ClusterH
             "get", "fisvc", "tiny-chat", "-n", "demo", "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}"
         ).stdout  # fmt: skip
         assert ready == "True"
-        assert table.running("operator") is not None, "the demo's operator should outlive the demo"
+        releases = json.loads(
+            helm("list", "-n", NAMESPACE, "-o", "json", kubeconfig=cluster.kubeconfig).stdout
+        )
+        assert [(r["name"], r["status"]) for r in releases] == [(RELEASE, "deployed")]
+        pods = cluster.get_json("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=flotilla-operator")[
+            "items"
+        ]
+        assert [p["status"]["phase"] for p in pods] == ["Running"]
     finally:
-        table.stop("operator")
+        helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig, check=False)
         cluster.kubectl("delete", "namespace", "demo", "--wait=false", check=False)
         cluster.kubectl("delete", "tenant", "demo-team", "--ignore-not-found", "--wait=false", check=False)

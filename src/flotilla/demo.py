@@ -1,9 +1,10 @@
 """`flotilla demo`: the platform story on the running local cluster, end to end.
 
-The operator (under its own ServiceAccount) is started in the cluster's pid table, so it keeps running
-after the demo and `flotilla cluster down` stops it. A Tenant owns the `demo` namespace with a GPU quota;
-an InferenceService there runs the real engine on a random-weight tiny model; the demo waits for
-Ready=True and asks it for one completion through the official `openai` client.
+Flotilla is installed as a platform team installs it: `helm upgrade --install` of charts/flotilla, so the
+operator runs as a pod (under its ServiceAccount, in-cluster config) with the admission webhook on. A
+Tenant owns the `demo` namespace with a GPU quota; the webhook refuses an InferenceService over it; one
+within it runs the real engine on a random-weight tiny model; the demo waits for Ready=True and asks it
+for one completion through the official `openai` client, then shows what metering counted.
 """
 
 from __future__ import annotations
@@ -63,21 +64,44 @@ def _model(state_dir: Path) -> Path:
     return tiny_model(model_dir)
 
 
-def _start_operator(cluster, state_dir: Path):
+def _install_chart(cluster, state_dir: Path) -> None:
     from flotilla.cluster.processes import ProcessTable
-    from flotilla.operator.cmd.local import OperatorProcess, install_manifests, service_account_kubeconfig
+    from flotilla.operator.cmd import local_chart
 
-    install_manifests(cluster)
-    table = ProcessTable(state_dir / "pids")
-    table.stop("operator")  # a previous demo's operator; its pid record says which process it is
-    workdir = state_dir / "operator"
-    workdir.mkdir(parents=True, exist_ok=True)
-    operator = OperatorProcess(
-        service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"), workdir / "operator.log"
+    if not (local_chart.CHART_DIR / "Chart.yaml").exists():
+        raise SystemExit(
+            f"demo: {local_chart.CHART_DIR} not found; run the demo from the repository root (make demo)"
+        )
+    ProcessTable(state_dir / "pids").stop(
+        "operator"
+    )  # an older demo's host-process operator, by its pid record
+    # The webhook's node port is kept across demos, so an upgrade never moves the webhook's address.
+    port_file = state_dir / "webhook-node-port"
+    port = int(port_file.read_text()) if port_file.exists() else local_chart.free_node_port()
+    port_file.write_text(str(port))
+    seconds = local_chart.install(
+        cluster, local_chart.local_values(port), log=lambda line: print(f"   {line}", flush=True)
     )
-    operator.start(table=table)
-    print(f"   pid {operator.proc.pid}, metrics {operator.url}/metrics, log {operator.log_path}")
-    return operator
+    print(f"   installed; the operator pod was Ready {seconds:.1f}s after helm started")
+    print(
+        "   "
+        + cluster.kubectl("get", "pods", "-n", local_chart.NAMESPACE, "-o", "wide")
+        .stdout.rstrip()
+        .replace("\n", "\n   ")
+    )
+
+
+def _over_quota_refusal(cluster) -> str:
+    """The webhook's answer to a service over the Tenant's quota (a server-side dry run changes nothing)."""
+    from flotilla.operator.cmd.local import inference_service
+
+    too_big = inference_service("too-big", "file:///nonexistent", NAMESPACE, replicas=5)
+    result = cluster.kubectl(
+        "apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(too_big), check=False
+    )
+    if result.returncode == 0:
+        raise SystemExit("demo: the webhook admitted a service over the Tenant's quota")
+    return result.stderr.strip()
 
 
 def _wait_ready(cluster, timeout: float) -> dict:
@@ -134,8 +158,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     cluster = ClusterHandle(config, started_here=False)
 
-    _step("the operator: CRDs, least-privilege RBAC, `flotilla operator run` as its ServiceAccount")
-    _start_operator(cluster, state_dir)
+    _step("Flotilla through its Helm chart: CRDs, RBAC, the operator as a pod, the admission webhook")
+    _install_chart(cluster, state_dir)
 
     _step("a random-weight tiny model (flotilla model init --preset tiny-llama)")
     model_dir = _model(state_dir)
@@ -143,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
     _step(f"Tenant {TENANT} owning namespace {NAMESPACE}, and InferenceService {SERVICE}")
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
     print(cluster.apply(_manifests(model_dir)).stdout.rstrip())
+
+    _step("the webhook refuses a service over the Tenant's quota (5 replicas x 1 GPU > 4)")
+    print(f"   {_over_quota_refusal(cluster)}")
 
     _step(f"waiting for {SERVICE} to be Ready (the engine loads the model in its pod)")
     status = _wait_ready(cluster, args.timeout)
@@ -176,5 +203,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"kubectl get fisvc -n {NAMESPACE}; kubectl get tenant {TENANT} -o yaml")
     print(f"curl {endpoint}/completions -H 'Content-Type: application/json' "
           """-d '{"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8}'""")  # fmt: skip
+    print(
+        "remove Flotilla (keeps the CRDs and the tenants' objects): helm uninstall flotilla -n flotilla-system"
+    )
     print("stop everything (operator, engine pods, cluster): flotilla cluster down")
     return 0

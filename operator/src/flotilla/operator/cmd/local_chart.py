@@ -1,0 +1,94 @@
+"""Flotilla installed on the local cluster through its Helm chart, as a platform team installs it.
+
+The local cluster's API server cannot reach a Service (no kube-proxy, no cluster network), so the
+webhook's Service is a NodePort, which the node agent forwards to the operator's Ready pods, and the
+webhook configuration dials `https://127.0.0.1:<nodePort>`. The operator shares the host's disks with
+the node agent's pods, so it checks file:// model paths. Everything else is the chart's defaults.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from flotilla.cluster.handle import ClusterHandle
+from flotilla.cluster.helm import helm
+
+CHART_DIR = Path("charts") / "flotilla"  # relative to the repository root, like crds/ and deploy/
+RELEASE = "flotilla"
+NAMESPACE = "flotilla-system"
+# The API server's default --service-node-port-range.
+NODE_PORTS = range(30000, 32768)
+
+
+def free_node_port() -> int:
+    """A port in the node-port range that nothing on 127.0.0.1 listens on now (tried from a random start,
+    so two clusters on one host rarely pick the same)."""
+    import random
+
+    start = random.randrange(len(NODE_PORTS))
+    for offset in range(len(NODE_PORTS)):
+        port = NODE_PORTS[(start + offset) % len(NODE_PORTS)]
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in the node-port range 30000-32767")
+
+
+def local_values(webhook_node_port: int, **overrides: object) -> dict:
+    values: dict = {
+        "operator": {"checkModelPaths": True},
+        "webhook": {
+            "service": {"type": "NodePort", "nodePort": webhook_node_port},
+            "url": f"https://127.0.0.1:{webhook_node_port}",
+        },
+    }
+    for dotted, value in overrides.items():  # operator__replicas=2 -> operator.replicas
+        *path, leaf = dotted.split("__")
+        node = values
+        for key in path:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return values
+
+
+def install(
+    cluster: ClusterHandle,
+    values: dict,
+    *,
+    chart: Path = CHART_DIR,
+    timeout: str = "5m",
+    log=print,
+) -> float:
+    """`helm upgrade --install --wait`: returns the seconds until Helm saw every object ready."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="flotilla-values-") as file:
+        yaml.safe_dump(values, file)
+        file.flush()
+        log(f"helm upgrade --install {RELEASE} {chart} -n {NAMESPACE} (waiting up to {timeout} for Ready)")
+        started = time.monotonic()
+        helm(
+            "upgrade", "--install", RELEASE, str(chart), "--namespace", NAMESPACE, "--create-namespace",
+            "--values", file.name, "--wait", "--timeout", timeout,
+            kubeconfig=cluster.kubeconfig, timeout=900,
+        )  # fmt: skip
+    return time.monotonic() - started
+
+
+def uninstall(cluster: ClusterHandle, timeout: str = "5m") -> None:
+    helm(
+        "uninstall",
+        RELEASE,
+        "--namespace",
+        NAMESPACE,
+        "--wait",
+        "--timeout",
+        timeout,
+        kubeconfig=cluster.kubeconfig,
+    )

@@ -1,0 +1,246 @@
+"""charts/flotilla with the real `helm` (built by `flotilla cluster build`): lint, template, the values
+schema, and that the chart says what the project's generators and the contract say.
+
+The local cluster's server-side dry run and a real install are in e2e/test_chart.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from flotilla import contract
+from flotilla.cli import build_parser
+from flotilla.cluster.helm import helm
+from flotilla.monitoring.rules.rendering import rule_groups
+from flotilla.operator.controllers.admission import webhook_definitions
+from flotilla.operator.manifests.chart import CHART_DIR, KEEP, files
+from flotilla.operator.manifests.crds import crd_files
+from flotilla.operator.manifests.rbac import cluster_rules
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / CHART_DIR
+MONITORING_APIS = ",".join(
+    f"monitoring.coreos.com/v1/{kind}" for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+)
+LOCAL = ["--set", "webhook.service.type=NodePort", "--set", "webhook.service.nodePort=31443",
+         "--set", "webhook.url=https://127.0.0.1:31443"]  # fmt: skip
+
+
+def render(*args: str) -> list[dict]:
+    out = helm("template", "flotilla", str(CHART), "--namespace", "flotilla-system", *args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind} {name or ''}: {[d['metadata']['name'] for d in by_kind(docs, kind)]}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[dict]:
+    return render()
+
+
+def test_generated_files_are_the_generators_output():
+    stale = [
+        name
+        for name, text in files(webhook_definitions()).items()
+        if not (CHART / "files" / name).exists() or (CHART / "files" / name).read_text() != text
+    ]
+    assert not stale, f"out of date (run `flotilla operator chart`): {stale}"
+
+
+@pytest.mark.parametrize(
+    "extra", [[], LOCAL, ["--set", "webhook.enabled=false"]], ids=["default", "local", "no-webhook"]
+)
+def test_lint_is_clean(extra):
+    result = helm("lint", "--strict", str(CHART), *extra, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_crds_are_templated_and_kept_on_uninstall(default_docs):
+    crds = {d["metadata"]["name"]: d for d in by_kind(default_docs, "CustomResourceDefinition")}
+    assert set(crds) == {name.removesuffix(".yaml") for name in crd_files()}
+    for crd in crds.values():
+        assert crd["metadata"]["annotations"].items() >= KEEP.items()
+    generated = yaml.safe_load(crd_files()["inferenceservices.flotilla.dev.yaml"])
+    assert crds["inferenceservices.flotilla.dev"]["spec"] == generated["spec"]
+
+
+def test_rbac_is_the_generators(default_docs):
+    role = one(default_docs, "ClusterRole", "flotilla-operator")
+    assert role["rules"] == cluster_rules()
+    binding = one(default_docs, "ClusterRoleBinding", "flotilla-operator")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "flotilla-operator", "namespace": "flotilla-system"}
+    ]
+    deployment = one(default_docs, "Deployment", "flotilla-operator")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "flotilla-operator"
+
+
+def _operator_container(docs: list[dict]) -> dict:
+    return one(docs, "Deployment", "flotilla-operator")["spec"]["template"]["spec"]["containers"][0]
+
+
+def _parse(container: dict):
+    argv = [*container["command"], *container["args"]]
+    assert argv[0] == contract.CLI
+    # $(POD_IP) is the kubelet's expansion of the env var the container declares.
+    return build_parser().parse_args([a.replace("$(POD_IP)", "10.1.2.3") for a in argv[1:]])
+
+
+def test_operator_command_parses_with_the_real_cli(default_docs):
+    container = _operator_container(default_docs)
+    args = _parse(container)
+    assert (args.group, args.command) == ("operator", "run")
+    assert args.peering == "flotilla" and args.metrics_host == "10.1.2.3"
+    assert args.webhook_port == 9443 and args.webhook_configuration == ""
+    assert args.webhook_tls_dir == "/etc/flotilla/webhook-tls"
+    assert args.default_image == contract.ENGINE_IMAGE
+    assert args.no_model_path_check  # a real cluster's operator cannot see node disks
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["webhook-tls"] == args.webhook_tls_dir
+
+
+def test_images_and_uid_match_the_contract(default_docs):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["operator"]["image"]["repository"] == contract.OPERATOR_IMAGE_REPOSITORY
+    assert values["operator"]["engineImage"]["repository"] == contract.ENGINE_IMAGE_REPOSITORY
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == contract.IMAGE_TAG
+    assert _operator_container(default_docs)["image"] == contract.OPERATOR_IMAGE
+    pods = [d["spec"]["template"]["spec"] for d in default_docs if d["kind"] in ("Deployment", "Job")]
+    assert pods and all(p["securityContext"]["runAsUser"] == contract.IMAGE_UID for p in pods)
+
+
+def test_hook_commands_parse(default_docs):
+    job = one(default_docs, "Job", "flotilla-uninstall")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    args = _parse(job["spec"]["template"]["spec"]["containers"][0])
+    assert (args.command, args.namespace, args.deployment) == (
+        "release-finalizers",
+        "flotilla-system",
+        "flotilla-operator",
+    )
+    docs = render("--set", "tests.namespace=team-a", "--set", "tests.modelUri=file:///models/tiny")
+    pod = one(docs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    args = _parse(pod["spec"]["containers"][0])
+    assert (args.command, args.namespace, args.model_uri) == ("smoke-test", "team-a", "file:///models/tiny")
+    assert not by_kind(render(), "Pod")  # no test pod until a namespace and a model are given
+
+
+def _webhook_tls(docs: list[dict]) -> tuple[x509.Certificate, x509.Certificate]:
+    data = one(docs, "Secret", "flotilla-webhook-tls")["data"]
+    load = lambda key: x509.load_pem_x509_certificate(base64.b64decode(data[key]))  # noqa: E731
+    return load("ca.crt"), load("tls.crt")
+
+
+def test_self_signed_webhook_through_the_service(default_docs):
+    config = one(default_docs, "ValidatingWebhookConfiguration", "flotilla-webhook")
+    definitions = {d["name"]: d for d in webhook_definitions()}
+    assert {w["name"] for w in config["webhooks"]} == set(definitions)
+    ca, serving = _webhook_tls(default_docs)
+    for hook in config["webhooks"]:
+        assert hook["rules"] == definitions[hook["name"]]["rules"]
+        assert hook["failurePolicy"] == "Fail"
+        service = hook["clientConfig"]["service"]
+        assert (service["name"], service["namespace"]) == ("flotilla-webhook", "flotilla-system")
+        assert service["path"] == definitions[hook["name"]]["path"]
+        assert base64.b64decode(hook["clientConfig"]["caBundle"]) == ca.public_bytes(Encoding.PEM)
+    serving.verify_directly_issued_by(ca)
+    names = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "flotilla-webhook.flotilla-system.svc" in names.get_values_for_type(x509.DNSName)
+
+
+def test_local_webhook_dials_the_node_port():
+    docs = render(*LOCAL)
+    service = one(docs, "Service", "flotilla-webhook")
+    assert service["spec"]["type"] == "NodePort" and service["spec"]["ports"][0]["nodePort"] == 31443
+    config = one(docs, "ValidatingWebhookConfiguration", "flotilla-webhook")
+    urls = sorted(h["clientConfig"]["url"] for h in config["webhooks"])
+    assert urls == sorted(f"https://127.0.0.1:31443{d['path']}" for d in webhook_definitions())
+    _, serving = _webhook_tls(docs)
+    names = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+
+
+def test_cert_manager_and_existing_secret_modes():
+    docs = render("--set", "webhook.certs=certManager")
+    assert not by_kind(docs, "Secret")
+    certificate = one(docs, "Certificate", "flotilla-webhook")
+    assert certificate["spec"]["secretName"] == "flotilla-webhook-tls"
+    assert certificate["spec"]["issuerRef"]["name"] == one(docs, "Issuer")["metadata"]["name"]
+    config = one(docs, "ValidatingWebhookConfiguration")
+    assert (
+        config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+        == "flotilla-system/flotilla-webhook"
+    )
+
+    docs = render("--set", "webhook.certs=existingSecret", "--set", "webhook.existingSecret=my-tls")
+    assert not by_kind(docs, "Secret") and not by_kind(docs, "Certificate")
+    volumes = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "webhook-tls", "secret": {"secretName": "my-tls"}} in volumes
+
+
+def test_webhook_off():
+    docs = render("--set", "webhook.enabled=false")
+    assert not by_kind(docs, "ValidatingWebhookConfiguration") and not by_kind(docs, "Secret")
+    args = _parse(_operator_container(docs))
+    assert args.webhook_port == 0
+
+
+def test_monitoring_objects_only_with_their_api(default_docs):
+    kinds = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    assert not kinds & {d["kind"] for d in default_docs}
+    docs = render("--api-versions", MONITORING_APIS, "--set", "monitoring.labels.release=kps")
+    assert kinds <= {d["kind"] for d in docs}
+    rule = one(docs, "PrometheusRule")
+    assert rule["spec"]["groups"] == rule_groups()
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    monitor = one(docs, "ServiceMonitor")
+    metrics = one(docs, "Service", "flotilla-operator-metrics")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    pod_monitor = one(docs, "PodMonitor")
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["path"] == contract.METRICS_PATH
+
+
+def test_dashboards_are_sidecar_configmaps(default_docs):
+    maps = [
+        d
+        for d in by_kind(default_docs, "ConfigMap")
+        if d["metadata"]["labels"].get("grafana_dashboard") == "1"
+    ]
+    assert len(maps) == 3
+    for cm in maps:
+        ((key, text),) = cm["data"].items()
+        board = json.loads(text)
+        assert key == f"{board['uid']}.json"
+
+
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [
+        ("operator.replicas=-1", "replicas"),
+        ("webhook.certs=bogus", "certs"),
+        ("operator.replica=2", "replica"),
+        ("webhook.failurePolicy=Sometimes", "failurePolicy"),
+        ("webhook.certs=existingSecret", "existingSecret"),
+        ("monitoring.interval=often", "interval"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(setting, field):
+    result = helm("template", "flotilla", str(CHART), "--set", setting, check=False)
+    assert result.returncode != 0, f"{setting} was accepted"
+    assert field in result.stderr, result.stderr
