@@ -191,6 +191,12 @@ def _metered_after(cluster: ClusterHandle, since: str) -> tuple[float, str] | No
     return (total, when) if when and (not since or _time(when) > _time(since)) else None
 
 
+def _wait_metered(cluster: ClusterHandle, since: str) -> tuple[float, str]:
+    found = wait_for(lambda: _metered_after(cluster, since), 60, f"a metering round after {since}")
+    assert found is not None
+    return found
+
+
 def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Release, cluster: ClusterHandle):
     ca_before = cluster.get_json("validatingwebhookconfiguration", WEBHOOK)["webhooks"][0]["clientConfig"][
         "caBundle"
@@ -204,7 +210,7 @@ def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Rel
         lambda: len(cluster.get_json("pods", "-n", NS)["items"]) == 1, 120, "only the service's pod in " + NS
     )
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    total_before, metered_before = wait_for(lambda: _metered_after(cluster, now), 60, "a metering round")
+    total_before, metered_before = _wait_metered(cluster, now)
 
     # Admission is asked over and over while the upgrade replaces the operator pod: every answer must be
     # the webhook's refusal, never a failure to call it.
@@ -250,9 +256,7 @@ def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Rel
     # Metering across the replacement: the new operator meters on from lastMeteredTime, so what was
     # added since the last round before the upgrade is the one GPU held over that span, no more, no less.
     _, now_metered = _gpu_seconds(cluster)
-    total, when = wait_for(
-        lambda: _metered_after(cluster, now_metered), 60, "a metering round by the new operator"
-    )
+    total, when = _wait_metered(cluster, now_metered)
     span = (_time(when) - _time(metered_before)).total_seconds()
     assert span > 0
     # Allow 2 s for the pod's phase changes being seen late; a lost or doubled round is a whole span off.

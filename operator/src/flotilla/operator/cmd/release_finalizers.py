@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(1)
     released = 0
     for kind, namespaced in ((INFERENCE_SERVICE, True), (TENANT, False)):
-        listing = kube.custom.list_cluster_custom_object(GROUP, VERSION, kind.plural)
+        listing: dict = kube.custom.list_cluster_custom_object(GROUP, VERSION, kind.plural)  # type: ignore[assignment]
         for item in listing.get("items", []):
             meta = item["metadata"]
             kept = without_finalizer(meta.get("finalizers"), finalizer())
