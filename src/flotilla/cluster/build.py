@@ -80,14 +80,18 @@ def targets() -> list[Target]:
         )
         for name in PROMETHEUS_BINARIES
     ]
-    helm = Target("helm", "helm.sh/helm/v4/cmd/helm", GOMOD_DIR / "helm", helm_bin_dir(), _helm_ldflags(HELM_VERSION))
+    helm = Target(
+        "helm", "helm.sh/helm/v4/cmd/helm", GOMOD_DIR / "helm", helm_bin_dir(), _helm_ldflags(HELM_VERSION)
+    )
     return [etcd, *kube, *prometheus, helm]
 
 
 def _helm_ldflags(version: str) -> str:
     # Helm reports this version and, in `helm template`/`lint`, uses it for .Capabilities.HelmVersion.
     values = {"version": version, "gitCommit": "", "gitTreeState": "clean"}
-    return " ".join(["-s", "-w", *(f"-X 'helm.sh/helm/v4/internal/version.{k}={v}'" for k, v in values.items())])
+    return " ".join(
+        ["-s", "-w", *(f"-X 'helm.sh/helm/v4/internal/version.{k}={v}'" for k, v in values.items())]
+    )
 
 
 def _prometheus_ldflags(release: str) -> str:

@@ -3,6 +3,12 @@
 It registers fake GPU nodes, keeps their leases and Ready condition fresh, and runs every pod bound to
 them as local processes on the pod's own loopback address (127.x.y.z), reporting status like a kubelet.
 Images are never pulled: a container's command must exist on this host.
+
+Like a kubelet it gives containers the KUBERNETES_SERVICE_* variables (pointing at the real API server),
+the pod's volumes (pod_volumes: emptyDir, hostPath, claims, configMap, secret, downwardAPI, projected,
+including the ServiceAccount token) mounted at their mountPaths in a mount namespace of the container's
+own (mount_ns), and runs init containers before the main ones (pod_runtime). Without mount namespaces
+(not root, no `unshare`) containers run as before, without their mounts, after one warning.
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flotilla.cluster import mount_ns
 from flotilla.cluster.kubeclient import ApiError, KubeClient
+from flotilla.cluster.node_ports import NodePortProxy, selects
 from flotilla.cluster.pod_runtime import PodRuntime, now_rfc3339
 from flotilla.cluster.pod_status import overwritten, pod_status, simulated_status
+from flotilla.cluster.pod_volumes import PodVolumes
 from flotilla.cluster.processes import ProcessTable, stop_all
+from flotilla.cluster.service_account import TokenSource, api_endpoint, service_account_name, service_env
+from flotilla.cluster.volume_contents import Sources, VolumeError
 
 HOST_IP = "127.0.0.1"
 GPU_TYPE_LABEL = "flotilla.dev/gpu-type"
@@ -90,6 +101,9 @@ class NodeAgent:
         self.sent: dict[str, dict] = {}  # uid -> last status written
         self.sent_over: dict[str, str | None] = {}  # uid -> resourceVersion our last write replaced
         self.stopping = threading.Event()
+        self.services = service_env(*api_endpoint(client.server))
+        self.sandbox_python: str | None = None  # set by check_sandbox when mount namespaces work
+        self.node_ports = NodePortProxy(HOST_IP, self._ready_pods, log)
 
     # -- nodes and leases -------------------------------------------------------------------------
 
@@ -247,6 +261,55 @@ class NodeAgent:
 
         return get
 
+    def _object(self, kind: str):
+        """(namespace, name) -> the raw object, None when absent: what volume projections read."""
+
+        def get(namespace: str, name: str) -> dict | None:
+            try:
+                return self.client.get(f"/api/v1/namespaces/{namespace}/{kind}/{name}")
+            except ApiError as exc:
+                if exc.status == 404:
+                    return None
+                raise
+
+        return get
+
+    def _claim_path(self, namespace: str, claim_name: str) -> str:
+        """A claim's folder: the hostPath or local path of the PersistentVolume it is bound to."""
+        claim = self._object("persistentvolumeclaims")(namespace, claim_name)
+        if claim is None:
+            raise VolumeError(f"persistentvolumeclaim {namespace}/{claim_name} not found")
+        volume_name = (claim.get("spec") or {}).get("volumeName")
+        if not volume_name or (claim.get("status") or {}).get("phase") != "Bound":
+            raise VolumeError(f"persistentvolumeclaim {namespace}/{claim_name} is not bound")
+        spec = self.client.get(f"/api/v1/persistentvolumes/{volume_name}").get("spec") or {}
+        path = (spec.get("hostPath") or spec.get("local") or {}).get("path")
+        if not path:
+            raise VolumeError(
+                f"persistentvolume {volume_name}: only hostPath and local volumes can be mounted"
+            )
+        return path
+
+    def _volumes(self, pod: dict, ip: str) -> PodVolumes:
+        meta = pod["metadata"]
+        tokens = TokenSource(pod, self.client.create)
+        sources = Sources(self._object("configmaps"), self._object("secrets"), tokens.token, ip, HOST_IP)
+        root = self.state_dir / "volumes" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+
+        def account() -> dict | None:
+            return self._object("serviceaccounts")(meta["namespace"], service_account_name(pod))
+
+        return PodVolumes(pod, root, sources, account, self._claim_path)
+
+    def check_sandbox(self) -> None:
+        """Once per agent: can containers get their own mount namespaces? If not, warn and go on."""
+        ok, why = mount_ns.available(sys.executable)
+        if ok:
+            self.sandbox_python = sys.executable
+            log("containers get their own mount namespaces: volumes are mounted at their mountPaths")
+        else:
+            log(f"WARNING: no mount namespaces for containers ({why}); pods run without their volume mounts")
+
     def _pod_path(self, pod: dict) -> str:
         meta = pod["metadata"]
         return f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
@@ -278,6 +341,8 @@ class NodeAgent:
 
     def _forget(self, uid: str, pod: dict) -> None:
         runtime = self.runtimes.pop(uid, None)
+        if runtime is not None and runtime.volumes is not None:
+            runtime.volumes.cleanup()
         ip = runtime.pod_ip if runtime else self.simulated.pop(uid, None)
         if ip:
             self.nodes[pod["spec"]["nodeName"]].release(ip)
@@ -318,6 +383,9 @@ class NodeAgent:
                     (self._lookup("configmaps"), self._lookup("secrets")),
                     self.probe_pool,
                     backoff_base=self.backoff_base,
+                    volumes=self._volumes(pod, ip),
+                    sandbox_python=self.sandbox_python,
+                    services=self.services,
                 )
                 self.runtimes[uid] = runtime
                 log(f"pod {meta['namespace']}/{meta['name']} on {spec['nodeName']} at {ip}")
@@ -329,6 +397,9 @@ class NodeAgent:
                     self._finish_deletion(uid, pod)
                 continue
             runtime.sync(now)
+            for problem in runtime.refresh_problems:
+                log(f"pod {meta['namespace']}/{meta['name']}: {problem}")
+            runtime.refresh_problems.clear()
             self._write_status(uid, pod, pod_status(runtime))
         for uid in set(self.runtimes) - set(seen):
             runtime = self.runtimes[uid]
@@ -337,16 +408,45 @@ class NodeAgent:
         for uid in set(self.simulated) - set(seen):
             self.simulated.pop(uid, None)
 
+    def _ready_pods(self, namespace: str, selector: dict[str, str]) -> list[tuple[dict, str]]:
+        """The pods a NodePort forwards to: Ready, not terminating, selected by the Service."""
+        out = []
+        for runtime in list(self.runtimes.values()):
+            pod = runtime.pod
+            if (
+                pod["metadata"]["namespace"] == namespace
+                and selects(selector, pod)
+                and runtime.terminating_deadline is None
+                and not pod["metadata"].get("deletionTimestamp")
+                and runtime.containers
+                and all(run.ready for run in runtime.containers)
+            ):
+                out.append((pod, runtime.pod_ip))
+        return out
+
+    def services_loop(self) -> None:
+        """Follows the Services' node ports (kube-proxy's job for NodePort Services, in user space)."""
+        while not self.stopping.is_set():
+            try:
+                self.node_ports.sync(self.client.get("/api/v1/services").get("items", []))
+            except Exception as exc:
+                log(f"services: {exc!r}")
+            self.stopping.wait(1.0)
+
     def run(self) -> None:
         stopped = stop_all(self.pids.folder)
         if stopped:
             log(f"stopped {len(stopped)} pod processes left by a previous agent")
+        if not self.simulate:
+            self.check_sandbox()
         self.register_nodes()
         self.renew_leases()
         threads = [
             threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True),
             threading.Thread(target=self.watch_loop, name="pod-watch", daemon=True),
         ]
+        if not self.simulate:
+            threads.append(threading.Thread(target=self.services_loop, name="node-ports", daemon=True))
         for thread in threads:
             thread.start()
         log(f"node agent running: {len(self.nodes)} nodes{' (simulated pods)' if self.simulate else ''}")
@@ -360,6 +460,7 @@ class NodeAgent:
 
     def shutdown(self) -> None:
         log("node agent stopping: terminating pod processes")
+        self.node_ports.close()
         now = time.monotonic()
         for runtime in self.runtimes.values():
             runtime.begin_termination(5.0, now)

@@ -36,7 +36,7 @@ def secret_data(secret: dict) -> dict[str, str]:
     return data
 
 
-def _field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
+def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
     meta, spec = pod.get("metadata", {}), pod.get("spec", {})
     simple = {
         "metadata.name": meta.get("name", ""),
@@ -71,7 +71,7 @@ _MEM_UNITS = {
 }
 
 
-def _resource_ref(container: dict, ref: dict) -> str:
+def resource_ref(container: dict, ref: dict) -> str:
     kind, _, resource = ref["resource"].partition(".")
     value = ((container.get("resources") or {}).get(kind) or {}).get(resource)
     if value is None:
@@ -111,10 +111,18 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 def container_env(
-    pod: dict, container: dict, pod_ip: str, host_ip: str, config_maps: Lookup, secrets: Lookup
+    pod: dict,
+    container: dict,
+    pod_ip: str,
+    host_ip: str,
+    config_maps: Lookup,
+    secrets: Lookup,
+    services: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
+    """services: the KUBERNETES_SERVICE_* variables; like the kubelet's they come first, so the
+    container's own env overrides them and $(KUBERNETES_SERVICE_HOST) expands."""
     namespace = pod["metadata"]["namespace"]
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(services or {})
     for source in container.get("envFrom") or []:
         prefix = source.get("prefix", "")
         for kind, lookup in (("configMapRef", config_maps), ("secretRef", secrets)):
@@ -134,9 +142,9 @@ def container_env(
             continue
         source = item["valueFrom"]
         if "fieldRef" in source:
-            env[name] = _field_ref(pod, source["fieldRef"]["fieldPath"], pod_ip, host_ip)
+            env[name] = field_ref(pod, source["fieldRef"]["fieldPath"], pod_ip, host_ip)
         elif "resourceFieldRef" in source:
-            env[name] = _resource_ref(container, source["resourceFieldRef"])
+            env[name] = resource_ref(container, source["resourceFieldRef"])
         else:
             kind = "configMapKeyRef" if "configMapKeyRef" in source else "secretKeyRef"
             ref = source[kind]

@@ -1,6 +1,10 @@
 """One pod's containers as local processes: start, watch, probe, restart with back-off, stop.
 
-The node agent owns one PodRuntime per pod bound to its nodes and calls `sync` on every tick.
+The node agent owns one PodRuntime per pod bound to its nodes and calls `sync` on every tick. A tick
+first stages the pod's volumes (nothing starts until they are all there), then runs the init containers
+one at a time, each to exit 0 before the next, and only then starts the main containers. Init containers
+with `restartPolicy: Always` are sidecars: the next one starts once the sidecar has started, and it keeps
+running (and restarting) beside the main containers.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flotilla.cluster.mount_ns import wrap_argv
 from flotilla.cluster.pod_env import EnvError, base_env, container_argv, container_env
+from flotilla.cluster.pod_volumes import PodVolumes
 from flotilla.cluster.probes import ProbeTracker, run_probe
 from flotilla.cluster.processes import ProcessTable, signal_group
+from flotilla.cluster.volume_contents import VolumeError
 
 # Where this interpreter's entry points (`flotilla`, `python`) live; pods find them first on PATH.
 SCRIPTS_DIR = sysconfig.get_path("scripts")
@@ -31,6 +38,7 @@ def now_rfc3339() -> str:
 @dataclass
 class ContainerRun:
     spec: dict
+    init: bool = False  # an init container (sidecars too)
     restart_count: int = 0
     proc: subprocess.Popen | None = None
     started_at: str | None = None
@@ -47,10 +55,15 @@ class ContainerRun:
     readiness: ProbeTracker | None = None
     killed_by_probe: str = ""
     probes_ok: dict = field(default_factory=dict)
+    done: bool = False  # an init container that exited 0
 
     @property
     def name(self) -> str:
         return self.spec["name"]
+
+    @property
+    def sidecar(self) -> bool:
+        return self.init and self.spec.get("restartPolicy") == "Always"
 
     @property
     def running(self) -> bool:
@@ -79,7 +92,13 @@ class PodRuntime:
         probe_pool: ThreadPoolExecutor,
         backoff_base: float = 1.0,
         backoff_max: float = 30.0,
+        volumes: PodVolumes | None = None,
+        sandbox_python: str | None = None,
+        services: dict[str, str] | None = None,
     ):
+        """volumes: the pod's staged volumes (None: volumes are ignored); sandbox_python: the interpreter
+        that runs mount_ns in each container's own mount namespace (None: containers run without their
+        mounts); services: the KUBERNETES_SERVICE_* variables every container gets."""
         self.pod = pod
         self.pod_ip = pod_ip
         self.host_ip = host_ip
@@ -89,8 +108,33 @@ class PodRuntime:
         self.probe_pool = probe_pool
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.start_time = now_rfc3339()
+        self.volumes = volumes
+        self.sandbox_python = sandbox_python
+        self.services = services or {}
+        self.init_containers = [
+            ContainerRun(spec, init=True) for spec in pod["spec"].get("initContainers") or []
+        ]
         self.containers = [ContainerRun(spec) for spec in pod["spec"]["containers"]]
+        if self.init_containers:
+            for run in self.containers:
+                run.waiting_reason = "PodInitializing"
+        self.initialized = not self.init_containers
+        self.volume_problem = ""  # why the volumes are not staged yet: every container waits
+        self.refresh_problems: list[str] = []  # for the agent to log and clear
+        self.next_volume_try = 0.0
         self.terminating_deadline: float | None = None
+
+    @property
+    def all_runs(self) -> list[ContainerRun]:
+        return [*self.init_containers, *self.containers]
+
+    @property
+    def init_failed(self) -> bool:
+        """An init container failed under restartPolicy Never: the pod is Failed and nothing more runs."""
+        return self.restart_policy == "Never" and any(
+            r.terminated is not None and r.terminated["exitCode"] != 0 and not r.sidecar
+            for r in self.init_containers
+        )
 
     @property
     def key(self) -> str:
@@ -108,7 +152,9 @@ class PodRuntime:
 
     def _start(self, run: ContainerRun, now: float) -> None:
         try:
-            env = container_env(self.pod, run.spec, self.pod_ip, self.host_ip, self.config_maps, self.secrets)
+            env = container_env(
+                self.pod, run.spec, self.pod_ip, self.host_ip, self.config_maps, self.secrets, self.services
+            )
             argv = container_argv(run.spec, env)
         except EnvError as exc:
             run.waiting_reason, run.waiting_message = "CreateContainerConfigError", str(exc)
@@ -119,6 +165,16 @@ class PodRuntime:
         run.env = process_env
         workdir = Path(run.spec.get("workingDir") or self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.sandbox_python and self.volumes is not None:
+            try:
+                mounts = self.volumes.mounts_for(run.name)
+            except (VolumeError, OSError) as exc:
+                run.waiting_reason, run.waiting_message = "CreateContainerConfigError", str(exc)
+                run.next_start = now + 2.0
+                return
+            # The wrapper changes into workingDir after mounting, since it may lie inside a volume.
+            argv = wrap_argv(self.sandbox_python, mounts, run.spec.get("workingDir"), argv)
+            workdir = self.log_dir
         try:
             run.proc = self.pids.start(
                 self._pid_name(run), argv, self.log_dir / f"{run.name}.log", env=process_env, cwd=workdir
@@ -152,7 +208,16 @@ class PodRuntime:
         }
         if run.killed_by_probe:
             run.terminated["message"] = run.killed_by_probe
-        restart = self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and exit_code != 0)
+        if run.sidecar:
+            restart = True
+        elif run.init:
+            # An init container must succeed: it reruns on failure unless the pod never restarts.
+            run.done = exit_code == 0
+            restart = exit_code != 0 and self.restart_policy != "Never"
+        else:
+            restart = self.restart_policy == "Always" or (
+                self.restart_policy == "OnFailure" and exit_code != 0
+            )
         if restart and self.terminating_deadline is None:
             # A run that stayed up a while resets the back-off, as the kubelet does after 10 minutes.
             if now - run.started_mono > 60:
@@ -171,57 +236,129 @@ class PodRuntime:
             return
         tracker.running = True
         ports = run.spec.get("ports") or []
-        future = self.probe_pool.submit(run_probe, tracker.probe, self.pod_ip, ports, run.env)
+        probe = tracker.probe
+        if "exec" in probe and self.sandbox_python and run.proc is not None:
+            # As in a container: the command sees the container's mounts, not the host's.
+            command = ["nsenter", f"--target={run.proc.pid}", "--mount", "--", *probe["exec"]["command"]]
+            probe = {**probe, "exec": {"command": command}}
+        future = self.probe_pool.submit(run_probe, probe, self.pod_ip, ports, run.env)
         future.add_done_callback(lambda f: tracker.record(bool(f.exception() is None and f.result())))
 
-    def sync(self, now: float) -> None:
-        if self.terminating_deadline is not None:
-            return
-        for run in self.containers:
+    def _volumes_ready(self, now: float) -> bool:
+        if self.volumes is None:
+            return True
+        if self.volumes.prepared:
+            # Labels and annotations may change; downwardAPI files follow them on the next refresh.
+            self.volumes.observe(self.pod)
+            # A failed refresh keeps the old files in place; the agent logs what went wrong.
+            self.refresh_problems.extend(self.volumes.refresh(now))
+            return True
+        if now < self.next_volume_try:
+            return False
+        try:
+            self.volumes.prepare(now)
+        except Exception as exc:  # VolumeError, OSError, or the API failing: retried, never the whole tick
+            # The kubelet's FailedMount: every container waits in ContainerCreating and it is retried.
+            self.volume_problem = f"MountVolume failed: {exc}"
+            self.next_volume_try = now + 2.0
+            for run in self.all_runs:
+                if run.proc is None and run.started_at is None:
+                    run.waiting_reason, run.waiting_message = "ContainerCreating", self.volume_problem
+            return False
+        self.volume_problem = ""
+        for run in self.all_runs:
+            if run.waiting_message.startswith("MountVolume failed"):
+                run.waiting_message = ""
+                run.waiting_reason = (
+                    "PodInitializing" if self.init_containers and not run.init else "ContainerCreating"
+                )
+        return True
+
+    def _sync_init(self, now: float) -> None:
+        """Runs the init containers in order; sets `initialized` once every one has done its part."""
+        for run in self.init_containers:
+            if run.sidecar:
+                self._sync_container(run, now)
+                if run.started:
+                    continue
+                return
+            if run.done:
+                continue
             if run.proc is not None and run.proc.poll() is not None:
                 self._on_exit(run, now)
-            if run.proc is None:
-                never_started = run.started_at is None and run.terminated is None
-                may_restart = run.waiting_reason in (
-                    "CrashLoopBackOff",
-                    "CreateContainerConfigError",
-                    "RunContainerError",
-                    "ContainerCreating",
-                )
-                if (never_started or may_restart) and now >= run.next_start:
-                    if run.terminated is not None:
-                        run.last_terminated, run.terminated = run.terminated, None
-                        run.restart_count += 1
-                    self._start(run, now)
-                continue
-            if run.startup is not None and run.startup.result is not True:
-                self._probe(run, run.startup, now)
-                if run.startup.result is False:
-                    self._kill(run, "startup probe failed")
-                continue
-            self._probe(run, run.liveness, now)
-            if run.liveness is not None and run.liveness.result is False:
-                self._kill(run, "liveness probe failed")
-                continue
-            self._probe(run, run.readiness, now)
+                if run.done:
+                    continue  # the next one starts on this same tick
+            if run.proc is None and not self.init_failed:
+                self._start_when_due(run, now)
+            return
+        self.initialized = True
+        for run in self.containers:
+            if run.waiting_reason == "PodInitializing":
+                run.waiting_reason = "ContainerCreating"
+
+    def _start_when_due(self, run: ContainerRun, now: float) -> None:
+        never_started = run.started_at is None and run.terminated is None
+        may_restart = run.waiting_reason in (
+            "CrashLoopBackOff",
+            "CreateContainerConfigError",
+            "RunContainerError",
+            "ContainerCreating",
+            "PodInitializing",
+        )
+        if (never_started or may_restart) and now >= run.next_start:
+            if run.terminated is not None:
+                run.last_terminated, run.terminated = run.terminated, None
+                run.restart_count += 1
+            self._start(run, now)
+
+    def _sync_container(self, run: ContainerRun, now: float) -> None:
+        if run.proc is not None and run.proc.poll() is not None:
+            self._on_exit(run, now)
+        if run.proc is None:
+            self._start_when_due(run, now)
+            return
+        if run.startup is not None and run.startup.result is not True:
+            self._probe(run, run.startup, now)
+            if run.startup.result is False:
+                self._kill(run, "startup probe failed")
+            return
+        self._probe(run, run.liveness, now)
+        if run.liveness is not None and run.liveness.result is False:
+            self._kill(run, "liveness probe failed")
+            return
+        self._probe(run, run.readiness, now)
+
+    def sync(self, now: float) -> None:
+        if self.terminating_deadline is not None or not self._volumes_ready(now):
+            return
+        if not self.initialized:
+            self._sync_init(now)
+            if not self.initialized:
+                return
+        else:
+            for run in self.init_containers:
+                if run.sidecar:
+                    self._sync_container(run, now)
+        for run in self.containers:
+            self._sync_container(run, now)
 
     def begin_termination(self, grace_seconds: float, now: float) -> None:
         if self.terminating_deadline is not None:
             return
         self.terminating_deadline = now + grace_seconds
-        for run in self.containers:
+        for run in self.all_runs:
             if run.running:
                 signal_group(run.proc.pid, signal.SIGTERM)
 
     def termination_done(self, now: float) -> bool:
         """True once every process is gone; SIGKILLs stragglers when the grace period is over."""
-        alive = [run for run in self.containers if run.running]
+        alive = [run for run in self.all_runs if run.running]
         if alive and self.terminating_deadline is not None and now >= self.terminating_deadline:
             for run in alive:
                 signal_group(run.proc.pid, signal.SIGKILL)
             time.sleep(0.05)
-            alive = [run for run in self.containers if run.running]
-        for run in self.containers:
+            alive = [run for run in self.all_runs if run.running]
+        for run in self.all_runs:
             if run.proc is not None and run.proc.poll() is not None:
                 self.pids.forget(self._pid_name(run))
         return not alive

@@ -1,4 +1,8 @@
-"""The pod status the agent reports: phase, conditions, IPs and container statuses."""
+"""The pod status the agent reports: phase, conditions, IPs, init and main container statuses.
+
+kubectl derives its STATUS column from these: `Init:0/2` while init containers run, `Init:Error` when
+one's last run failed, `Init:CrashLoopBackOff` while one waits to be restarted, `PodInitializing` after.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,13 @@ from flotilla.cluster.pod_runtime import ContainerRun, PodRuntime
 
 
 def container_status(run: ContainerRun) -> dict:
+    # A finished init container counts as ready, as the kubelet reports it.
+    ready = run.ready or (run.init and run.done and not run.sidecar)
     status = {
         "name": run.name,
         "image": run.spec.get("image") or "local",
         "imageID": "",
-        "ready": run.ready,
+        "ready": ready,
         "started": run.started,
         "restartCount": run.restart_count,
     }
@@ -30,6 +36,10 @@ def container_status(run: ContainerRun) -> dict:
 
 
 def phase(runtime: PodRuntime) -> str:
+    if runtime.init_failed:
+        return "Failed"
+    if not runtime.initialized:
+        return "Pending"
     runs = runtime.containers
     if any(r.running for r in runs):
         return "Running"
@@ -45,19 +55,34 @@ def phase(runtime: PodRuntime) -> str:
     return "Pending"
 
 
-def _condition(kind: str, ok: bool, reason: str = "") -> dict:
+def _condition(kind: str, ok: bool, reason: str = "", message: str = "") -> dict:
     condition = {"type": kind, "status": "True" if ok else "False"}
     if reason and not ok:
         condition["reason"] = reason
+    if message and not ok:
+        condition["message"] = message
     return condition
+
+
+def _initialized(runtime: PodRuntime) -> dict:
+    pending = [r.name for r in runtime.init_containers if not (r.done or (r.sidecar and r.started))]
+    if runtime.initialized or not pending:
+        return _condition("Initialized", True)
+    return _condition(
+        "Initialized",
+        False,
+        "ContainersNotInitialized",
+        f"containers with incomplete status: [{' '.join(pending)}]",
+    )
 
 
 def pod_status(runtime: PodRuntime) -> dict:
     statuses = [container_status(run) for run in runtime.containers]
-    all_ready = all(s["ready"] for s in statuses)
+    sidecars_ready = all(run.ready for run in runtime.init_containers if run.sidecar)
+    all_ready = all(s["ready"] for s in statuses) and sidecars_ready and runtime.initialized
     current_phase = phase(runtime)
     not_ready = "PodCompleted" if current_phase in ("Succeeded", "Failed") else "ContainersNotReady"
-    return {
+    status = {
         "phase": current_phase,
         "hostIP": runtime.host_ip,
         "hostIPs": [{"ip": runtime.host_ip}],
@@ -65,13 +90,18 @@ def pod_status(runtime: PodRuntime) -> dict:
         "podIPs": [{"ip": runtime.pod_ip}],
         "startTime": runtime.start_time,
         "conditions": [
-            _condition("PodReadyToStartContainers", True),
-            _condition("Initialized", True),
+            _condition(
+                "PodReadyToStartContainers", not runtime.volume_problem, "FailedMount", runtime.volume_problem
+            ),
+            _initialized(runtime),
             _condition("ContainersReady", all_ready, not_ready),
             _condition("Ready", all_ready, not_ready),
         ],
         "containerStatuses": statuses,
     }
+    if runtime.init_containers:
+        status["initContainerStatuses"] = [container_status(run) for run in runtime.init_containers]
+    return status
 
 
 def simulated_status(pod: dict, pod_ip: str, host_ip: str, start_time: str) -> dict:
