@@ -64,7 +64,7 @@ def _model(state_dir: Path) -> Path:
     return tiny_model(model_dir)
 
 
-def _install_chart(cluster, state_dir: Path) -> None:
+def _install_chart(cluster, state_dir: Path, model_dir: Path) -> None:
     from flotilla.cluster.processes import ProcessTable
     from flotilla.operator.cmd import local_chart
 
@@ -80,7 +80,9 @@ def _install_chart(cluster, state_dir: Path) -> None:
     port = int(port_file.read_text()) if port_file.exists() else local_chart.free_node_port()
     port_file.write_text(str(port))
     seconds = local_chart.install(
-        cluster, local_chart.local_values(port), log=lambda line: print(f"   {line}", flush=True)
+        cluster,
+        local_chart.local_values(port, (model_dir,)),
+        log=lambda line: print(f"   {line}", flush=True),
     )
     print(f"   installed; the operator pod was Ready {seconds:.1f}s after helm started")
     print(
@@ -158,11 +160,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     cluster = ClusterHandle(config, started_here=False)
 
-    _step("Flotilla through its Helm chart: CRDs, RBAC, the operator as a pod, the admission webhook")
-    _install_chart(cluster, state_dir)
-
     _step("a random-weight tiny model (flotilla model init --preset tiny-llama)")
     model_dir = _model(state_dir)
+
+    _step("Flotilla through its Helm chart: CRDs, RBAC, the operator as a pod, the admission webhook")
+    _install_chart(cluster, state_dir, model_dir)
 
     _step(f"Tenant {TENANT} owning namespace {NAMESPACE}, and InferenceService {SERVICE}")
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)

@@ -42,9 +42,20 @@ def free_node_port() -> int:
     raise RuntimeError("no free port in the node-port range 30000-32767")
 
 
-def local_values(webhook_node_port: int, **overrides: object) -> dict:
+def local_values(webhook_node_port: int, model_dirs: tuple[Path, ...] = (), **overrides: object) -> dict:
+    """`model_dirs`: folders the operator must see to check file:// models. It shares the host's disks,
+    except /tmp, where its pod mounts an emptyDir; each is mounted from the host at its own path."""
+    mounts = [
+        ({"name": f"model-{i}", "hostPath": {"path": str(d), "type": "Directory"}},
+         {"name": f"model-{i}", "mountPath": str(d), "readOnly": True})
+        for i, d in enumerate(model_dirs)
+    ]  # fmt: skip
     values: dict = {
-        "operator": {"checkModelPaths": True},
+        "operator": {
+            "checkModelPaths": True,
+            "extraVolumes": [volume for volume, _ in mounts],
+            "extraVolumeMounts": [mount for _, mount in mounts],
+        },
         "webhook": {
             "service": {"type": "NodePort", "nodePort": webhook_node_port},
             "url": f"https://127.0.0.1:{webhook_node_port}",
