@@ -91,3 +91,35 @@ def test_a_missing_command_exits_127_with_the_reason():
     argv = mount_ns.wrap_argv(sys.executable, [], None, ["/no/such/command"])
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 127 and "No such file" in result.stderr
+
+
+def test_a_mount_that_would_hide_the_commands_installation_is_named():
+    protected = ["/tmp/ci/.venv", "/tmp/ci/src", "/usr/lib/python3.11"]
+    assert mount_ns.hides("/tmp", protected) == "/tmp/ci/.venv"
+    assert mount_ns.hides("/tmp/ci/.venv", protected) == "/tmp/ci/.venv"
+    assert mount_ns.hides("/tmp/cache", protected) is None
+    assert mount_ns.hides("/mnt/models", protected) is None
+    paths = mount_ns.protected_paths([sys.executable])
+    assert sys.prefix in paths and os.path.dirname(os.path.realpath(sys.executable)) in paths
+
+
+@needs_namespaces
+def test_a_source_under_an_earlier_mount_is_still_reached(tmp_path):
+    """An emptyDir over a parent folder must not hide a later mount's source (the agent's state there)."""
+    parent = tmp_path / "parent"
+    (parent / "state" / "cfg").mkdir(parents=True)
+    (parent / "state" / "cfg" / "key").write_text("value")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    target = tmp_path / "etc-app"
+    mounts = [
+        {"source": str(empty), "target": str(parent)},
+        {"source": str(parent / "state" / "cfg"), "target": str(target)},
+    ]
+    script = "import os, sys; print(open(sys.argv[1] + '/key').read(), sorted(os.listdir(sys.argv[2])))"
+    argv = mount_ns.wrap_argv(
+        sys.executable, mounts, None, [sys.executable, "-c", script, str(target), str(parent)]
+    )
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["value", "[]"]  # the source was reached; the parent is the empty dir

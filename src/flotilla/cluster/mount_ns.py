@@ -95,11 +95,51 @@ def order(mounts: list[dict]) -> list[dict]:
     return sorted(mounts, key=lambda m: os.path.normpath(m["target"]).count("/"))
 
 
-def apply(mounts: list[dict]) -> None:
-    ordered = order(mounts)
-    for mount in ordered:
-        _make_target(mount["source"], mount["target"])
-        _libc_mount(mount["source"], mount["target"], MS_BIND | MS_REC)
+def hides(target: str, protected: list[str]) -> str | None:
+    """The protected path that a mount at `target` would cover, if any."""
+    target = os.path.normpath(target)
+    for path in protected:
+        path = os.path.normpath(path)
+        if path == target or path.startswith(target.rstrip("/") + "/"):
+            return path
+    return None
+
+
+def protected_paths(command: list[str]) -> list[str]:
+    """What the container's command needs from the host: the interpreter's installation and import path
+    (this wrapper runs on the same interpreter as the agent's pods: the venv and the checkout's src
+    folders of an editable install) and the command's own folder. The root filesystem is the host's, so
+    a volume over any of these (an emptyDir at /tmp with the checkout under /tmp) would hide the command."""
+    paths = {sys.prefix, sys.base_prefix, *(p for p in sys.path if p and os.path.isdir(p))}
+    found = shutil.which(command[0]) if command else None
+    if found:
+        paths.add(os.path.dirname(os.path.realpath(found)))
+        paths.add(os.path.dirname(os.path.abspath(found)))
+    return sorted(paths)
+
+
+def apply(mounts: list[dict], protected: list[str] = ()) -> None:  # type: ignore[assignment]
+    ordered = []
+    for mount in order(mounts):
+        covered = hides(mount["target"], list(protected))
+        if covered:
+            print(f"flotilla mount_ns: not mounting {mount['target']}: it would hide {covered}, which this "
+                  "container runs from (the local cluster's pods share the host's root filesystem)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            continue
+        ordered.append(mount)
+    # Every source is opened before the first mount: a mount (an emptyDir at /tmp) may cover the folder
+    # another mount's source lives in (the agent's state under /tmp); the open descriptor still reaches it.
+    sources = []
+    try:
+        for mount in ordered:
+            sources.append(os.open(mount["source"], os.O_PATH | os.O_CLOEXEC))
+        for mount, fd in zip(ordered, sources, strict=True):
+            _make_target(f"/proc/self/fd/{fd}", mount["target"])
+            _libc_mount(f"/proc/self/fd/{fd}", mount["target"], MS_BIND | MS_REC)
+    finally:
+        for fd in sources:
+            os.close(fd)
     # Read-only only after every bind: a read-only parent would refuse the mkdir of a child's target.
     for mount in ordered:
         if mount.get("readOnly"):
@@ -112,7 +152,7 @@ def main(argv: list[str]) -> int:
         return 2
     spec, command = json.loads(argv[0]), argv[2:]
     try:
-        apply(spec.get("mounts") or [])
+        apply(spec.get("mounts") or [], protected_paths(command))
         if spec.get("workingDir"):
             os.makedirs(spec["workingDir"], exist_ok=True)
             os.chdir(spec["workingDir"])
