@@ -244,3 +244,13 @@ def test_bad_values_are_refused_naming_the_field(setting, field):
     result = helm("template", "flotilla", str(CHART), "--set", setting, check=False)
     assert result.returncode != 0, f"{setting} was accepted"
     assert field in result.stderr, result.stderr
+
+
+def test_the_operator_pod_carries_the_scrape_annotations(default_docs):
+    """`flotilla monitoring scrape`'s pod job keeps targets by the contract's annotations."""
+    template = one(default_docs, "Deployment", "flotilla-operator")["spec"]["template"]
+    annotations = template["metadata"]["annotations"]
+    assert annotations[contract.ANNOTATION_SCRAPE] == "true"
+    assert annotations[contract.ANNOTATION_PATH] == contract.METRICS_PATH
+    ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+    assert int(annotations[contract.ANNOTATION_PORT]) == ports["metrics"]
