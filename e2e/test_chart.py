@@ -212,7 +212,9 @@ def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Rel
     engine_uid = engines[0]["metadata"]["uid"]
     # Only this service holds a GPU from here on (the helm test's pod is gone): meter a round after now.
     wait_for(
-        lambda: len(cluster.get_json("pods", "-n", NS)["items"]) == 1, 120, "only the service's pod in " + NS
+        lambda: len(cluster.get_json("pods", "-n", NS, "-l", "flotilla.dev/inferenceservice")["items"]) == 1,
+        120,
+        "only the service's engine pod in " + NS,
     )
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     total_before, metered_before = _wait_metered(cluster, now)
