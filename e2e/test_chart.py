@@ -271,7 +271,10 @@ def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Rel
 
 
 def test_uninstall_removes_the_webhook_and_releases_finalizers(release: Release, cluster: ClusterHandle):
-    assert cluster.get_json("inferenceservice", "svc", "-n", NS)["metadata"].get("finalizers")
+    # kopf's finalizer sits on every object a daemon runs for: each Tenant (metering).
+    assert "flotilla.dev/finalizer" in (
+        cluster.get_json("tenant", TENANT)["metadata"].get("finalizers") or []
+    )
     uninstall(cluster)
     assert cluster.kubectl("get", "validatingwebhookconfiguration", WEBHOOK, check=False).returncode != 0
     assert (
@@ -279,7 +282,10 @@ def test_uninstall_removes_the_webhook_and_releases_finalizers(release: Release,
         != 0
     )
     # The CRDs stay, with the tenants' objects; the operator's finalizer is gone from them.
-    service = cluster.get_json("inferenceservice", "svc", "-n", NS)
-    assert "flotilla.dev/finalizer" not in (service["metadata"].get("finalizers") or [])
-    # With no operator and no webhook, a delete completes instead of waiting on a finalizer.
+    assert cluster.kubectl("get", "crd", "inferenceservices.flotilla.dev", check=False).returncode == 0
+    tenant = cluster.get_json("tenant", TENANT)
+    assert "flotilla.dev/finalizer" not in (tenant["metadata"].get("finalizers") or [])
+    assert cluster.get_json("inferenceservice", "svc", "-n", NS)["metadata"]["name"] == "svc"
+    # With no operator and no webhook, deletes complete instead of waiting on a finalizer.
     cluster.kubectl("delete", "inferenceservice", "svc", "-n", NS, "--timeout=60s")
+    cluster.kubectl("delete", "tenant", TENANT, "--timeout=60s")
