@@ -133,6 +133,7 @@ def test_hook_commands_parse(default_docs):
         "flotilla-system",
         "flotilla-operator",
     )
+    assert args.webhook_configuration == "flotilla-webhook"  # deleted first: its operator is stopping
     docs = render("--set", "tests.namespace=team-a", "--set", "tests.modelUri=file:///models/tiny")
     pod = one(docs, "Pod")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"

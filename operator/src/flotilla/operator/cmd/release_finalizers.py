@@ -2,8 +2,10 @@
 
 Helm deletes the operator but keeps the CRDs (resource policy keep), so tenants' InferenceServices and
 Tenants outlive it. kopf's finalizer on them would then make every later delete wait for an operator that
-is gone. So, before Helm deletes anything: scale the operator to zero (so that no replica adds the
-finalizer back), wait until its pods are gone, and remove the finalizer from every object that has it.
+is gone. So, before Helm deletes anything: delete the webhook configuration (Helm is about to; with the
+operator stopped, its failurePolicy Fail would refuse the patches below), scale the operator to zero (so
+that no replica adds the finalizer back), wait until its pods are gone, and remove the finalizer from
+every object that has it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ OPERATOR_POD_LABEL = "app.kubernetes.io/name=flotilla-operator"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", required=True, help="the operator's namespace")
     parser.add_argument("--deployment", default="flotilla-operator", help="the operator's Deployment")
+    parser.add_argument(
+        "--webhook-configuration", help="the ValidatingWebhookConfiguration to delete first (the chart's)"
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for its pods to go")
 
 
@@ -43,6 +48,17 @@ def run(args: argparse.Namespace) -> int:
 
     kube = Kube(None)
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    if args.webhook_configuration:
+        from kubernetes import client
+
+        try:
+            client.AdmissionregistrationV1Api(kube.apps.api_client).delete_validating_webhook_configuration(
+                args.webhook_configuration
+            )
+            say(f"deleted ValidatingWebhookConfiguration {args.webhook_configuration}")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
     try:
         kube.apps.patch_namespaced_deployment_scale(
             args.deployment, args.namespace, {"spec": {"replicas": 0}}
