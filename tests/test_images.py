@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flotilla import contract
 from flotilla.cli import build_parser
@@ -319,3 +320,29 @@ def test_the_build_context_sends_what_the_builder_copies() -> None:
                 assert any(
                     source == a or a.startswith(source + "/") or source.startswith(a + "/") for a in allowed
                 ), f"COPY {source}: .dockerignore leaves it out"
+
+
+def test_the_charts_pods_run_the_operator_targets_entry_point() -> None:
+    """Every pod the Helm chart makes runs the operator image, with its ENTRYPOINT as the command; the
+    operator Deployment's arguments start with the target's CMD."""
+    from flotilla.cluster.helm import helm
+
+    stage = parse_dockerfile(DOCKERFILE.read_text())["operator"]
+    entrypoint, cmd = stage.exec_form("ENTRYPOINT"), stage.exec_form("CMD")
+    rendered = helm(
+        "template", "flotilla", str(ROOT / "charts" / "flotilla"),
+        "--set", "tests.namespace=team-a", "--set", "tests.modelUri=file:///m",
+    ).stdout  # fmt: skip
+    pods = []
+    for doc in yaml.safe_load_all(rendered):
+        if doc and doc["kind"] in ("Deployment", "Job"):
+            pods.append((doc["kind"], doc["spec"]["template"]["spec"]))
+        elif doc and doc["kind"] == "Pod":
+            pods.append(("Pod", doc["spec"]))
+    assert {kind for kind, _ in pods} == {"Deployment", "Job", "Pod"}
+    for kind, spec in pods:
+        for container in spec["containers"]:
+            assert container["image"] == contract.OPERATOR_IMAGE, kind
+            assert container["command"] == entrypoint, kind
+            if kind == "Deployment":
+                assert container["args"][: len(cmd)] == cmd
