@@ -77,6 +77,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--priority", type=int, help="kopf peering priority (default: start time, newest active)"
     )
+    run.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="seconds to keep serving the webhook after SIGTERM before stopping (a pod's rolling update)",
+    )
     run.add_argument("--verbose", action="store_true")
     _add_tenancy_arguments(run)
     run.set_defaults(func=_run)
@@ -178,4 +184,5 @@ def _run(args: argparse.Namespace) -> int:
         priority=args.priority,
         verbose=args.verbose,
         tenancy=from_arguments(args),
+        shutdown_delay=args.shutdown_delay,
     )

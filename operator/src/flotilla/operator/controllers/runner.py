@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +30,7 @@ def run_operator(
     priority: int | None = None,
     verbose: bool,
     tenancy: TenancySettings | None = None,
+    shutdown_delay: float = 0.0,
 ) -> int:
     import kopf
 
@@ -72,7 +76,8 @@ def run_operator(
         server = serve(metrics_host, metrics_port)
         log.info("serving /metrics and /healthz on http://%s:%d", metrics_host, server.server_address[1])
 
-    kopf.run(
+    run = functools.partial(
+        kopf.run,
         clusterwide=not namespaces,
         namespaces=list(namespaces or ()),
         standalone=True if standalone else None,
@@ -84,4 +89,35 @@ def run_operator(
         liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz" if liveness_port else None,
         memo=new_memo(runtime),  # every handler's shared state (state.py)
     )
+    if shutdown_delay <= 0:
+        run()  # kopf handles SIGTERM itself: it stops at once
+    else:
+        _run_draining(run, shutdown_delay)
     return 0
+
+
+def _run_draining(run, delay: float) -> None:
+    """kopf on a worker thread; SIGTERM starts a drain: the webhook keeps answering for `delay` seconds
+    while whatever routes to this pod (endpoints, the local cluster's node ports) drops it, then kopf
+    stops. Stopping at once would cut admission reviews already on their way here, which the API server
+    reports as failures (failurePolicy Fail) during every rolling update of the operator."""
+    from flotilla.operator.metrics import HEALTH
+
+    stop = threading.Event()
+    draining = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        if draining.is_set():
+            stop.set()  # a second signal: stop now
+            return
+        draining.set()
+        log.info("signal %d: serving %.0fs more while this pod is taken out of rotation", signum, delay)
+        HEALTH.set(False)
+        threading.Timer(delay, stop.set).start()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    worker = threading.Thread(target=run, kwargs={"stop_flag": stop}, name="kopf")
+    worker.start()
+    while worker.is_alive():
+        worker.join(timeout=0.5)  # the main thread stays free to take signals
