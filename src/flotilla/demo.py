@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _model(state_dir)
 
     _step("Flotilla through its Helm chart: CRDs, RBAC, the operator as a pod, the admission webhook")
+    installing = time.monotonic()
     _install_chart(cluster, state_dir, model_dir)
 
     _step(f"Tenant {TENANT} owning namespace {NAMESPACE}, and InferenceService {SERVICE}")
@@ -185,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         model="tiny-llama", prompt="The fleet sails", max_tokens=12, extra_body={"ignore_eos": True}
     )
     print(f"   text: {answer.choices[0].text!r}")
+    print(
+        f"   (the first completion, {time.monotonic() - installing:.1f}s after `helm upgrade --install` started)"
+    )
     print(
         f"   usage: {answer.usage.prompt_tokens} prompt + {answer.usage.completion_tokens} completion tokens"
     )
