@@ -1,5 +1,8 @@
-"""`flotilla engine bench offline`: throughput against transformers, KV-slot utilization, sequences per KV
-budget, prefix-cache TTFT and the scheduler's cost per step. Prints figures; asserts nothing."""
+"""`flotilla engine bench offline`: throughput against transformers, the compute-limit ratio and a step's
+breakdown (bench/compute_limit.py), KV-slot utilization, sequences per KV budget, prefix-cache TTFT and the
+scheduler's cost per step. Prints figures; asserts nothing.
+
+Throughput (`tokens_per_s`) counts output tokens only, here and in the compute-limit ratio."""
 
 from __future__ import annotations
 
@@ -215,10 +218,28 @@ def scheduler_step_cost(
     }
 
 
+def measure_compute_limit(engine, work: Workload, run: dict[str, Any]) -> dict[str, Any]:
+    """The matmul rate of the engine's own linear layers (its dtype, the run's threads) and the run's
+    output tokens per second against the limit it sets (bench/compute_limit.py says what counts)."""
+    from flotilla.engine.bench.compute_limit import (
+        compute_limit,
+        mean_decode_context,
+        measure_matmul,
+        model_linears,
+    )
+
+    cfg = engine.model_config
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    matmul = measure_matmul(model_linears(engine.runner.model, cfg), log=log)
+    context = mean_decode_context(map(len, work.prompts), work.output_lens)
+    return compute_limit(cfg, matmul, run, sum(map(len, work.prompts)), context)
+
+
 # -- the command ------------------------------------------------------------------------------------------
 def run_offline(args) -> int:
     import torch
 
+    from flotilla.engine.bench.compute_limit import profile_steps
     from flotilla.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads) if args.threads else None
@@ -251,6 +272,13 @@ def run_offline(args) -> int:
     )
     log("bench: (c) flotilla ...")
     report["flotilla"] = run_engine(engine, work)
+    if args.compute_limit:
+        report["compute_limit"] = measure_compute_limit(engine, work, report["flotilla"])
+        if args.profile_steps > 0:
+            log(f"bench: profiling {args.profile_steps} decode steps ...")
+            report["step_breakdown"] = profile_steps(
+                engine, work.prompts, work.output_lens, args.profile_steps
+            )
 
     if args.compare == "hf":
         import transformers
@@ -323,6 +351,8 @@ def print_report(r: dict[str, Any]) -> None:
         print(
             f"  flotilla / (a): {r['speedup_vs_hf_sequential']:.1f}x    flotilla / (b): {r['speedup_vs_hf_static_batch']:.2f}x"
         )
+    if "compute_limit" in r:
+        print_compute_limit(r["compute_limit"], r.get("step_breakdown"))
     f = r["flotilla"]
     print(f"KV-slot utilization ({f['kv_slot_utilization_measured_at']}): {f['kv_slot_utilization']:.3f}")
     s = r["sequences_per_kv_budget"]
@@ -343,3 +373,25 @@ def print_report(r: dict[str, Any]) -> None:
         f"scheduler + block bookkeeping at {c['running_sequences']} running: {c['ms_per_step']:.3f} ms/step "
         f"(median; mean {c['ms_per_step_mean']:.3f})"
     )
+
+
+def print_compute_limit(c: dict[str, Any], b: dict[str, Any] | None) -> None:
+    print(
+        f"compute limit: {c['model_flops_per_token'] / 1e6:.1f} MFLOP/token in linear layers (attention adds "
+        f"{c['attention_flops_per_token'] / 1e6:.1f} at the mean context of {c['mean_decode_context']:.0f}); "
+        f"matmul {c['matmul_gflops']:.1f} GFLOP/s ({c['matmul_batch_tokens']} tokens, {c['threads']} threads, "
+        f"{c['dtype']})"
+    )
+    print(
+        f"  limit {c['compute_limit_tokens_per_s']:.0f} output tok/s; (c) ran {c['tokens_per_s']:.1f} = "
+        f"{c['compute_limit_ratio']:.3f} of it (with prompt tokens, linear FLOPs at "
+        f"{c['linear_flops_utilization']:.3f} of the matmul rate)"
+    )
+    if b:
+        names = {"linear": "linear", "attention": "attention", "sampling": "sampling",
+                 "other_ops": "other ops", "python": "python/other"}  # fmt: skip
+        shares = ", ".join(f"{names[k]} {v:.0%}" for k, v in b["shares"].items())
+        print(
+            f"  step breakdown ({b['steps']} decode steps at {b['running_sequences']} running, "
+            f"{b['ms_per_step']:.1f} ms/step profiled): {shares}"
+        )

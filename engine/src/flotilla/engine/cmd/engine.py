@@ -32,7 +32,8 @@ def add_commands(subparsers) -> None:
     bench_serve.set_defaults(func=_bench_serve)
     offline = kinds.add_parser(
         "offline",
-        help="offline throughput against transformers, KV utilization, prefix-cache TTFT, scheduler cost",
+        help="offline throughput against transformers, compute-limit ratio, KV utilization, prefix-cache TTFT, "
+        "scheduler cost",
         description="Offline benchmark on one model folder. Prints the figures; --json also writes them.",
     )
     offline.add_argument("--model", required=True, help="model folder (e.g. from `flotilla model init`)")
@@ -68,6 +69,21 @@ def add_commands(subparsers) -> None:
     offline.add_argument("--seed", type=int, default=0)
     offline.add_argument(
         "--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)"
+    )
+    offline.add_argument(
+        "--no-compute-limit",
+        dest="compute_limit",
+        action="store_false",
+        help="skip the matmul rate, the compute-limit ratio and the step profile",
+    )
+    offline.add_argument(
+        "--profile-steps",
+        type=int,
+        default=16,
+        help="decode steps to profile for the step breakdown (0 skips the profile)",
+    )
+    offline.add_argument(
+        "--no-profile", dest="profile_steps", action="store_const", const=0, help="same as --profile-steps 0"
     )
     offline.set_defaults(func=_bench_offline)
     fair = kinds.add_parser(

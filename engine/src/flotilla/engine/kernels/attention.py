@@ -18,6 +18,10 @@ import torch.nn.functional as F
 # and 64 on 2 CPU cores (tiny-llama, 64 requests): less padding, still few calls.
 DECODE_GROUP = 16
 
+# The torch.profiler range around one layer's KV store and attention (any backend): `bench offline` groups
+# the self time of everything under it as attention.
+ATTENTION_LABEL = "flotilla.attention"
+
 
 @dataclass
 class AttentionMetadata:

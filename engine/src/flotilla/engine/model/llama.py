@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
-from flotilla.engine.kernels.attention import AttentionMetadata
+from flotilla.engine.kernels.attention import ATTENTION_LABEL, AttentionMetadata
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.rope import RotaryEmbedding
 
@@ -52,8 +53,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         # Store before attending: a chunk attends to itself through the cache, and requests admitted
         # in the same step may share blocks written now.
-        backend.store(k, v, k_cache, v_cache, meta)
-        out = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        with record_function(ATTENTION_LABEL):
+            backend.store(k, v, k_cache, v_cache, meta)
+            out = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

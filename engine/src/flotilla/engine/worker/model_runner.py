@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.profiler import record_function
 
 from flotilla.engine.config import EngineConfig, blocks_for_budget
 from flotilla.engine.core.request import Request
@@ -13,7 +14,7 @@ from flotilla.engine.core.scheduler import SchedulerOutput
 from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model, resolve_device, resolve_dtype
-from flotilla.engine.worker.sampler import Sampler, SampleResult
+from flotilla.engine.worker.sampler import SAMPLER_LABEL, Sampler, SampleResult
 
 log = logging.getLogger(__name__)
 
@@ -135,4 +136,5 @@ class ModelRunner:
         if not sample_requests:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return sample_requests, self.sampler(logits, sample_requests)
+        with record_function(SAMPLER_LABEL):
+            return sample_requests, self.sampler(logits, sample_requests)

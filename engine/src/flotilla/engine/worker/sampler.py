@@ -13,6 +13,9 @@ import torch
 
 from flotilla.engine.core.request import Request
 
+# The torch.profiler range around one step's sampling: `bench offline` groups it as sampling.
+SAMPLER_LABEL = "flotilla.sampler"
+
 
 @dataclass
 class SampleResult:
