@@ -78,7 +78,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--priority", type=int, help="kopf peering priority (default: start time, newest active)"
     )
     run.add_argument(
-        "--shutdown-delay",
+        "--drain-seconds",
         type=float,
         default=0.0,
         help="seconds to keep serving the webhook after SIGTERM before stopping (a pod's rolling update)",
@@ -184,5 +184,5 @@ def _run(args: argparse.Namespace) -> int:
         priority=args.priority,
         verbose=args.verbose,
         tenancy=from_arguments(args),
-        shutdown_delay=args.shutdown_delay,
+        drain_seconds=args.drain_seconds,
     )

@@ -82,6 +82,7 @@ def install(
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="flotilla-values-") as file:
         yaml.safe_dump(values, file)
         file.flush()
+        adopt(cluster, chart, file.name)
         log(f"helm upgrade --install {RELEASE} {chart} -n {NAMESPACE} (waiting up to {timeout} for Ready)")
         started = time.monotonic()
         helm(
@@ -90,6 +91,26 @@ def install(
             kubeconfig=cluster.kubeconfig, timeout=900,
         )  # fmt: skip
     return time.monotonic() - started
+
+
+def adopt(cluster: ClusterHandle, chart: Path, values_file: str) -> None:
+    """Marks the objects the chart renders that already exist as this release's, Helm's own way
+    (`app.kubernetes.io/managed-by: Helm` and the release annotations), so that a cluster where the
+    operator ran as a host process (its CRDs and RBAC applied by `flotilla operator` tooling, as earlier
+    demos and the other e2e tests do) moves to the chart instead of failing with "cannot be imported
+    into the current release". Objects that do not exist are skipped; Helm creates them."""
+    rendered = helm(
+        "template", RELEASE, str(chart), "--namespace", NAMESPACE, "--values", values_file,
+        "--no-hooks", kubeconfig=cluster.kubeconfig,
+    ).stdout  # fmt: skip
+    cluster.kubectl(
+        "label", "--overwrite", "-f", "-", "app.kubernetes.io/managed-by=Helm", input=rendered, check=False
+    )
+    cluster.kubectl(
+        "annotate", "--overwrite", "-f", "-",
+        f"meta.helm.sh/release-name={RELEASE}", f"meta.helm.sh/release-namespace={NAMESPACE}",
+        input=rendered, check=False,
+    )  # fmt: skip
 
 
 def uninstall(cluster: ClusterHandle, timeout: str = "5m") -> None:

@@ -30,7 +30,7 @@ def run_operator(
     priority: int | None = None,
     verbose: bool,
     tenancy: TenancySettings | None = None,
-    shutdown_delay: float = 0.0,
+    drain_seconds: float = 0.0,
 ) -> int:
     import kopf
 
@@ -89,10 +89,10 @@ def run_operator(
         liveness_endpoint=f"http://127.0.0.1:{liveness_port}/healthz" if liveness_port else None,
         memo=new_memo(runtime),  # every handler's shared state (state.py)
     )
-    if shutdown_delay <= 0:
+    if drain_seconds <= 0:
         run()  # kopf handles SIGTERM itself: it stops at once
     else:
-        _run_draining(run, shutdown_delay)
+        _run_draining(run, drain_seconds)
     return 0
 
 
