@@ -1,7 +1,15 @@
 """Triton kernels for CUDA: paged decode attention and the KV store. Prefill chunks use the torch path
 (SDPA over the gathered prefix). Tested on the CPU under TRITON_INTERPRET=1 against attention.py.
 
-Only basic Triton (loads, stores, reductions, a loop) is used, so the kernels build on Triton 3.6 too.
+Decode is grouped and split (flash-decoding). One program per (request, KV head, split) loads the
+query rows of all the query heads that share the KV head as one tile and reads the KV head's blocks
+once for all of them (`tl.dot`), where the earlier kernel ran one program per query head and so read
+each KV head once per query head: GROUP times the cache traffic under GQA, and decode is bound by that
+traffic. Long contexts are cut into splits (`decode_splits`) so a small batch still fills the GPU; each
+split writes its partial output and log-sum-exp, and a small combine kernel weights them into the
+output. One split (short contexts) writes the output directly.
+
+Only loads, stores, reductions, `tl.dot` and a loop are used, so the kernels build on Triton 3.6 too.
 """
 
 from __future__ import annotations
@@ -46,58 +54,154 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     )  # fmt: skip
 
 
+# Split-KV (flash-decoding): a split covers at least MIN_SPLIT_TOKENS tokens and MIN_SPLIT_BLOCKS blocks,
+# so short contexts run in one split (written straight to the output) and only long ones pay for the
+# partial outputs and the combine; MAX_SPLITS bounds the scratch buffers.
+MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_BLOCKS = 4
+MAX_SPLITS = 16
+# tl.dot needs every dimension of its operands to be at least 16 on the GPU.
+MIN_DOT = 16
+
+
+def decode_splits(max_seq_len: int, block_size: int) -> int:
+    """How many splits the decode kernel cuts each sequence's KV into, from the longest context: as many
+    as fit with each covering at least MIN_SPLIT_TOKENS tokens and MIN_SPLIT_BLOCKS blocks, between 1
+    and MAX_SPLITS."""
+    min_blocks = max(MIN_SPLIT_BLOCKS, -(-MIN_SPLIT_TOKENS // block_size))
+    num_blocks = -(-max_seq_len // block_size)
+    return max(1, min(MAX_SPLITS, num_blocks // min_blocks))
+
+
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    o_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
+    tiles_per_split,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_bt, stride_cb, stride_cs, stride_ch,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One program per (request, query head): online softmax over the request's KV blocks.
+    # One program per (request, KV head, split): the GROUP query heads that share the KV head, as the
+    # rows of one [GROUP_PAD, HEAD_DIM] tile, attend to the split's tiles of TILE tokens (TILE is the
+    # block size, or 16 tokens over several blocks when blocks are smaller) with an online softmax.
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    r = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, TILE)
+    rows = r < GROUP
+    heads = kv_head * GROUP + r
+    q_offs = b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=rows[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    first = split * tiles_per_split
+    last = tl.minimum(tl.cdiv(seq_len, TILE), first + tiles_per_split)
+    for i in range(first, last):
+        pos = i * TILE + t
+        valid = pos < seq_len
+        block = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
+        block = block.to(tl.int64)
+        offs = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch
+        offs = offs + d[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, TILE]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        denom = denom * alpha + tl.sum(p, axis=1)
+        m = m_new
+    # A split past the end of a shorter request has no tokens: output 0 and log-sum-exp -inf (weight 0).
+    nonempty = denom > 0
+    safe_denom = tl.where(nonempty, denom, 1.0)
+    out = acc / safe_denom[:, None]
+    o_offs = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=rows[:, None])
+    if WRITE_LSE:
+        lse = tl.where(nonempty, m + tl.log(safe_denom), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=rows)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, partial_ptr, lse_ptr, num_splits,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    # One program per (request, query head): the splits' outputs weighted by exp(lse - max lse).
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kv_head = h // GROUP
-    seq_len = tl.load(seq_lens_ptr + b)
+    s = tl.arange(0, SPLITS_POW2)
     d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32)
-    m = tl.max(tl.full([BLOCK_SIZE], float("-inf"), tl.float32), axis=0)
-    denom = tl.sum(tl.zeros([BLOCK_SIZE], tl.float32), axis=0)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    for i in range(0, num_blocks):
-        block = tl.load(block_tables_ptr + b * stride_bt + i).to(tl.int64)
-        valid = i * BLOCK_SIZE + s < seq_len
-        offs = block * stride_cb + kv_head * stride_ch + s[:, None] * stride_cs + d[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1) * scale
-        scores = tl.where(valid, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        denom = denom * alpha + tl.sum(p, axis=0)
-        m = m_new
-    out = acc / denom
+    present = s < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=present, other=float("-inf"))
+    weights = tl.exp(lse - tl.max(lse, axis=0))
+    partial = tl.load(
+        partial_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=present[:, None], other=0.0,
+    )  # fmt: skip
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+def paged_decode_attention(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len: int | None = None
+) -> torch.Tensor:
     """query [B, H, D]; caches [blocks, block_size, KVH, D]; block_tables [B, max_blocks] int32;
-    seq_lens [B] int32 tensor. Same contract as attention.paged_decode_attention."""
+    seq_lens [B] int32 tensor. Same contract as attention.paged_decode_attention. max_seq_len (the
+    largest of seq_lens, when the caller knows it) saves reading seq_lens back from the device."""
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    num_splits = decode_splits(max_seq_len, k_cache.shape[1])
+    return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits)
+
+
+def _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len: int, num_splits: int):
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-    assert k_cache.stride(3) == 1 and query.stride(2) == 1
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= MIN_DOT, "head_dim must be a power of two >= 16"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert num_heads % num_kv_heads == 0
+    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride() and query.stride(2) == 1
     out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    tile = max(block_size, MIN_DOT)
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    _paged_decode_kernel[(batch, num_heads)](
-        out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+    max_tiles = -(-max_seq_len // tile)
+    tiles_per_split = max(1, -(-max_tiles // num_splits))
+    if num_splits == 1:
+        o, lse = out, out  # lse unused
+        o_strides = (out.stride(0), out.stride(1), 0)
+        lse_strides = (0, 0)
+    else:
+        o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        o_strides = (o.stride(0), o.stride(1), o.stride(2))
+        lse_strides = (lse.stride(0), lse.stride(1))
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        o, lse, query, k_cache, v_cache, block_tables, seq_lens, scale, tiles_per_split,
+        query.stride(0), query.stride(1), *o_strides, *lse_strides,
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), MIN_DOT), BLOCK_SIZE=block_size, TILE=tile,
+        HEAD_DIM=head_dim, WRITE_LSE=num_splits > 1,
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else None,  # fp32 exact, not tf32
     )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(batch, num_heads)](
+            out, o, lse, num_splits, out.stride(0), out.stride(1), o.stride(0), o.stride(1), o.stride(2),
+            lse.stride(0), lse.stride(1), SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        )  # fmt: skip
     return out
 
 
@@ -113,8 +217,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
             rows = meta.decode_token_index
             reqs = torch.tensor(meta.decode_requests, device=query.device)
             out[rows] = paged_decode_attention(
-                query[rows], k_cache, v_cache, meta.block_tables[reqs], meta.seq_lens_tensor[reqs], scale
-            )
+                query[rows], k_cache, v_cache, meta.block_tables[reqs], meta.seq_lens_tensor[reqs], scale,
+                max_seq_len=max(meta.seq_lens[r] for r in meta.decode_requests),
+            )  # fmt: skip
         for r in meta.prefill_requests:
             start, end = meta.query_start[r], meta.query_start[r + 1]
             out[start:end] = paged_prefill_attention(
