@@ -9,7 +9,7 @@ h // (num_heads // num_kv_heads).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ class AttentionMetadata:
     decode_requests: list[int]  # requests with exactly one new token
     prefill_requests: list[int]  # requests with a chunk of several new tokens
     decode_token_index: torch.Tensor  # [len(decode_requests)] long: their tokens in the flat batch
+    # What a backend derives from the above once per step and reuses in every layer (device tensors such
+    # as the Triton prefill's tile table). The torch path leaves it empty.
+    backend_cache: dict[str, object] = field(default_factory=dict)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -1,5 +1,18 @@
-"""Triton kernels for CUDA: paged decode attention and the KV store. Prefill chunks use the torch path
-(SDPA over the gathered prefix). Tested on the CPU under TRITON_INTERPRET=1 against attention.py.
+"""Triton kernels for CUDA: the KV store, paged prefill attention (varlen, causal, the whole batch in one
+launch) and paged decode attention. Tested on the CPU under TRITON_INTERPRET=1 against attention.py.
+
+Prefill covers fresh prompts and chunks after a cached prefix alike: a request's new tokens sit at
+positions context_len .. seq_len - 1 and attend, causally by absolute position, to everything before
+them, read through the block table (the model stores the new tokens' K/V before attending, so the chunk
+reads itself from the cache too). The grid is (query tiles over all requests, KV heads): the host cuts
+each request's new tokens into tiles of BLOCK_M tokens, once per step (a small table: request, first
+token, token count, first position), so a batch of one long prompt and many short ones launches exactly
+the programs it needs, with none idling past the end of a short request as a (requests x max tiles)
+grid would. Each program takes the BLOCK_M tokens x GROUP query heads that share its KV head as the rows
+of one tile (GQA grouping, as in decode): the KV blocks are read once per group, not once per query head.
+It walks the KV up to its last token's position in tiles of at least 64 tokens (several blocks when
+blocks are small) with an online softmax, and writes its rows into the packed [tokens, heads, head_dim]
+output.
 
 Decode is grouped and split (flash-decoding). One program per (request, KV head, split) loads the
 query rows of all the query heads that share the KV head as one tile and reads the KV head's blocks
@@ -9,7 +22,8 @@ traffic. Long contexts are cut into splits (`decode_splits`) so a small batch st
 split writes its partial output and log-sum-exp, and a small combine kernel weights them into the
 output. One split (short contexts) writes the output directly.
 
-Only loads, stores, reductions, `tl.dot` and a loop are used, so the kernels build on Triton 3.6 too.
+Every `tl.dot` has all dimensions >= 16 (MIN_DOT), as real GPUs need. Only loads, stores, reductions,
+`tl.dot` and a loop are used, so the kernels build on Triton 3.6 too.
 """
 
 from __future__ import annotations
@@ -18,11 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flotilla.engine.kernels.attention import (
-    AttentionMetadata,
-    TorchAttentionBackend,
-    paged_prefill_attention,
-)
+from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
 
 
 @triton.jit
@@ -205,6 +215,115 @@ def _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len:
     return out
 
 
+# Prefill tiles: BLOCK_M tokens x GROUP_PAD query heads make PREFILL_ROWS rows (so at least MIN_DOT tokens'
+# worth of rows whatever the group), against KV tiles of at least PREFILL_KV_TILE tokens.
+PREFILL_ROWS = 64
+PREFILL_KV_TILE = 64
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    o_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tiles_ptr, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program per (query tile, KV head). Row i of the tile is token i // GROUP_PAD of the tile and
+    # query head kv_head * GROUP + i % GROUP_PAD; rows past the tile's tokens or the group are masked.
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tiles_ptr + tile * 4)
+    tok0 = tl.load(tiles_ptr + tile * 4 + 1)
+    count = tl.load(tiles_ptr + tile * 4 + 2)
+    pos0 = tl.load(tiles_ptr + tile * 4 + 3)
+    i = tl.arange(0, BLOCK_M * GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, TILE)
+    tok = i // GROUP_PAD
+    g = i % GROUP_PAD
+    rows = (tok < count) & (g < GROUP)
+    heads = kv_head * GROUP + g
+    token = (tok0 + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    )
+    q_pos = pos0 + tok
+    # Keys up to the tile's last token. Every row sees position 0 in the first KV tile (padding rows
+    # have q_pos past the end), so the running max is finite from then on and no row divides by zero.
+    kv_end = pos0 + count
+    m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    for j in range(0, tl.cdiv(kv_end, TILE)):
+        pos = j * TILE + t
+        valid = pos < kv_end
+        block = tl.load(block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
+        block = block.to(tl.int64)
+        offs = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch
+        offs = offs + d[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [rows, TILE]
+        causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(causal, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        denom = denom * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = acc / denom[:, None]
+    o_offs = token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=rows[:, None])
+
+
+def prefill_block_m(group: int) -> int:
+    """Tokens per prefill query tile: PREFILL_ROWS rows over the group's (padded) query heads."""
+    return max(1, PREFILL_ROWS // triton.next_power_of_2(group))
+
+
+def prefill_tiles(query_start, context_lens, requests, block_m: int, device) -> torch.Tensor:
+    """The prefill launch's tile table, [tiles, 4] int32: (request, first token in the flat batch, tokens,
+    position of the first token), each request's new tokens cut into tiles of block_m."""
+    rows = []
+    for r in requests:
+        start, end = query_start[r], query_start[r + 1]
+        for tok in range(start, end, block_m):
+            rows.append((r, tok, min(block_m, end - tok), context_lens[r] + tok - start))
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 4).to(device)
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, tiles, scale, out=None) -> torch.Tensor:
+    """query [T, H, D], the new tokens of all requests, packed; caches [blocks, block_size, KVH, D] with
+    the new tokens' K/V already stored; block_tables [R, max_blocks] int32; tiles from prefill_tiles
+    (with block_m = prefill_block_m(H // KVH)). Writes the tiles' rows of `out` (a new tensor like query
+    when None) and returns it; rows no tile covers are left as they were."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= MIN_DOT, "head_dim must be a power of two >= 16"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert num_heads % num_kv_heads == 0
+    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride() and query.stride(2) == 1
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1
+    if tiles.shape[0] == 0:
+        return out
+    group = num_heads // num_kv_heads
+    _paged_prefill_kernel[(tiles.shape[0], num_kv_heads)](
+        out, query, k_cache, v_cache, block_tables, tiles, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_M=prefill_block_m(group),
+        BLOCK_SIZE=block_size, TILE=max(block_size, PREFILL_KV_TILE), HEAD_DIM=head_dim,
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else None,  # fp32 exact, not tf32
+    )  # fmt: skip
+    return out
+
+
 class TritonAttentionBackend(TorchAttentionBackend):
     name = "triton"
 
@@ -213,6 +332,18 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
+        if meta.prefill_requests:
+            # All prefill chunks in one launch; the tile table is built once per step and kept on meta.
+            block_m = prefill_block_m(query.shape[1] // k_cache.shape[2])
+            key = f"triton_prefill_tiles_{block_m}"
+            tiles = meta.backend_cache.get(key)
+            if not isinstance(tiles, torch.Tensor):
+                tiles = prefill_tiles(
+                    meta.query_start, meta.context_lens, meta.prefill_requests, block_m, query.device
+                )
+                meta.backend_cache[key] = tiles
+            block_tables = meta.block_tables.to(torch.int32).contiguous()
+            paged_prefill_attention(query, k_cache, v_cache, block_tables, tiles, scale, out=out)
         if meta.decode_requests:
             rows = meta.decode_token_index
             reqs = torch.tensor(meta.decode_requests, device=query.device)
@@ -220,9 +351,4 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 query[rows], k_cache, v_cache, meta.block_tables[reqs], meta.seq_lens_tensor[reqs], scale,
                 max_seq_len=max(meta.seq_lens[r] for r in meta.decode_requests),
             )  # fmt: skip
-        for r in meta.prefill_requests:
-            start, end = meta.query_start[r], meta.query_start[r + 1]
-            out[start:end] = paged_prefill_attention(
-                query[start:end], k_cache, v_cache, meta.block_tables[r], meta.context_lens[r], scale
-            )
         return out
