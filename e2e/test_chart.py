@@ -18,7 +18,7 @@ import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.helm import helm
-from flotilla.operator.cmd.local import complete, tiny_model
+from flotilla.operator.cmd.local import complete, inference_service, tiny_model
 from flotilla.operator.cmd.local_chart import (
     CHART_DIR,
     NAMESPACE,
@@ -47,19 +47,7 @@ def _tenant(quota: int) -> str:
 
 
 def _isvc(name: str, replicas: int = 1) -> str:
-    body = {
-        "model": {"uri": f"file://{MODEL_DIR}", "servedName": "tiny"},
-        "resources": {"gpus": 1, "gpuType": "h100"},
-        "replicas": replicas,
-    }
-    return yaml.safe_dump(
-        {
-            "apiVersion": "flotilla.dev/v1alpha1",
-            "kind": "InferenceService",
-            "metadata": {"name": name},
-            "spec": body,
-        }
-    )
+    return yaml.safe_dump(inference_service(name, MODEL_DIR, replicas=replicas))
 
 
 def _values(node_port: int, **overrides) -> dict:

@@ -105,3 +105,13 @@ def test_usage_report_all_time_and_by_day():
         check_window(dt.date(2026, 1, 3), dt.date(2026, 1, 2), dt.date(2026, 1, 10))
     with pytest.raises(WindowError):
         check_window(dt.date(2025, 1, 1), None, dt.date(2026, 1, 10))
+
+
+def test_a_mounted_webhook_tls_folder_without_its_files_stops_naming_them(tmp_path):
+    with pytest.raises(SystemExit, match=r"--webhook-tls-dir .*: missing .*tls\.crt, .*tls\.key"):
+        webhook_tls.mounted_files(tmp_path)
+    (tmp_path / "tls.crt").write_text("cert")
+    (tmp_path / "tls.key").write_text("key")
+    assert webhook_tls.mounted_files(tmp_path) == (None, tmp_path / "tls.crt", tmp_path / "tls.key")
+    (tmp_path / "ca.crt").write_text("ca")
+    assert webhook_tls.mounted_files(tmp_path)[0] == tmp_path / "ca.crt"

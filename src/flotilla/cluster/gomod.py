@@ -112,22 +112,24 @@ def etcd_wrapper_gomod(release_gomod: str, etcd_version: str = ETCD_VERSION) -> 
     return "\n".join(lines)
 
 
-def prometheus_wrapper_gomod(release_gomod: str, module_version: str = PROMETHEUS_MODULE_VERSION) -> str:
+def _plain_wrapper_gomod(name: str, module: str, version: str, release_gomod: str) -> str:
+    """A wrapper that only requires `module@version`: for releases whose go.mod replaces nothing."""
     if parse_replaces(release_gomod):
-        raise RuntimeError(f"github.com/prometheus/prometheus {module_version} has replace directives")
-    lines = [HEADER, "module flotilla.dev/localcluster/prometheus", ""]
+        raise RuntimeError(f"{module} {version} has replace directives")
+    lines = [HEADER, f"module flotilla.dev/localcluster/{name}", ""]
     lines.append(f"go {parse_directive(release_gomod, 'go')}")
-    lines += ["", f"require github.com/prometheus/prometheus {module_version}", ""]
+    lines += ["", f"require {module} {version}", ""]
     return "\n".join(lines)
+
+
+def prometheus_wrapper_gomod(release_gomod: str, module_version: str = PROMETHEUS_MODULE_VERSION) -> str:
+    return _plain_wrapper_gomod(
+        "prometheus", "github.com/prometheus/prometheus", module_version, release_gomod
+    )
 
 
 def helm_wrapper_gomod(release_gomod: str, helm_version: str = HELM_VERSION) -> str:
-    if parse_replaces(release_gomod):
-        raise RuntimeError(f"helm.sh/helm/v4 {helm_version} has replace directives")
-    lines = [HEADER, "module flotilla.dev/localcluster/helm", ""]
-    lines.append(f"go {parse_directive(release_gomod, 'go')}")
-    lines += ["", f"require helm.sh/helm/v4 {helm_version}", ""]
-    return "\n".join(lines)
+    return _plain_wrapper_gomod("helm", "helm.sh/helm/v4", helm_version, release_gomod)
 
 
 def generate(progress=print) -> None:

@@ -28,11 +28,16 @@ Every `tl.dot` has all dimensions >= 16 (MIN_DOT), as real GPUs need. Only loads
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar, cast
+
 import torch
 import triton
 import triton.language as tl
 
 from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
+
+T = TypeVar("T")
 
 
 @triton.jit
@@ -84,6 +89,33 @@ def decode_splits(max_seq_len: int, block_size: int) -> int:
 
 
 @triton.jit
+def _attend_kv_tile(
+    q, q_pos, m, denom, acc, pos, kv_end, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, d, scale,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One KV tile of the paged cache (token positions `pos`, read through the block table) folded into
+    the online softmax of the query rows `q`: returns the new running max, sum and accumulator. Keys at or
+    past `kv_end` are masked; with CAUSAL, so is every key after its row's position `q_pos`."""
+    valid = pos < kv_end
+    block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch
+    offs = offs + d[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [rows, TILE]
+    keep = valid[None, :]
+    if CAUSAL:
+        keep = keep & (pos[None, :] <= q_pos[:, None])
+    scores = tl.where(keep, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, denom * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_decode_kernel(
     o_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
     tiles_per_split,
@@ -112,23 +144,11 @@ def _paged_decode_kernel(
     first = split * tiles_per_split
     last = tl.minimum(tl.cdiv(seq_len, TILE), first + tiles_per_split)
     for i in range(first, last):
-        pos = i * TILE + t
-        valid = pos < seq_len
-        block = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-        block = block.to(tl.int64)
-        offs = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch
-        offs = offs + d[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, TILE]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        denom = denom * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, denom, acc = _attend_kv_tile(
+            q, 0, m, denom, acc, i * TILE + t, seq_len, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr + b * stride_bt, kv_head, d, scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, False, DOT_PRECISION,
+        )  # fmt: skip
     # A split past the end of a shorter request has no tokens: output 0 and log-sum-exp -inf (weight 0).
     nonempty = denom > 0
     safe_denom = tl.where(nonempty, denom, 1.0)
@@ -257,24 +277,11 @@ def _paged_prefill_kernel(
     denom = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
     for j in range(0, tl.cdiv(kv_end, TILE)):
-        pos = j * TILE + t
-        valid = pos < kv_end
-        block = tl.load(block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-        block = block.to(tl.int64)
-        offs = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch
-        offs = offs + d[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [rows, TILE]
-        causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(causal, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        denom = denom * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, denom, acc = _attend_kv_tile(
+            q, q_pos, m, denom, acc, j * TILE + t, kv_end, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr + req * stride_bt, kv_head, d, scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, True, DOT_PRECISION,
+        )  # fmt: skip
     out = acc / denom[:, None]
     o_offs = token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=rows[:, None])
@@ -333,22 +340,35 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
         if meta.prefill_requests:
-            # All prefill chunks in one launch; the tile table is built once per step and kept on meta.
+            # All prefill chunks in one launch, with tables built once per step and reused by every layer.
             block_m = prefill_block_m(query.shape[1] // k_cache.shape[2])
-            key = f"triton_prefill_tiles_{block_m}"
-            tiles = meta.backend_cache.get(key)
-            if not isinstance(tiles, torch.Tensor):
-                tiles = prefill_tiles(
-                    meta.query_start, meta.context_lens, meta.prefill_requests, block_m, query.device
-                )
-                meta.backend_cache[key] = tiles
-            block_tables = meta.block_tables.to(torch.int32).contiguous()
+            tiles = _per_step(
+                meta, f"prefill_tiles_{block_m}",
+                lambda: prefill_tiles(meta.query_start, meta.context_lens, meta.prefill_requests, block_m, query.device),
+            )  # fmt: skip
+            block_tables = _per_step(
+                meta, "block_tables_int32", lambda: meta.block_tables.to(torch.int32).contiguous()
+            )
             paged_prefill_attention(query, k_cache, v_cache, block_tables, tiles, scale, out=out)
         if meta.decode_requests:
-            rows = meta.decode_token_index
-            reqs = torch.tensor(meta.decode_requests, device=query.device)
-            out[rows] = paged_decode_attention(
-                query[rows], k_cache, v_cache, meta.block_tables[reqs], meta.seq_lens_tensor[reqs], scale,
-                max_seq_len=max(meta.seq_lens[r] for r in meta.decode_requests),
+            block_tables, seq_lens, max_seq_len = _per_step(
+                meta, "decode_rows", lambda: _decode_rows(meta, query.device)
+            )
+            out[meta.decode_token_index] = paged_decode_attention(
+                query[meta.decode_token_index], k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len
             )  # fmt: skip
         return out
+
+
+def _per_step(meta: AttentionMetadata, key: str, build: Callable[[], T]) -> T:
+    """What `build` makes from the step's metadata, made once per step and shared by every layer."""
+    if key not in meta.backend_cache:
+        meta.backend_cache[key] = build()
+    return cast(T, meta.backend_cache[key])
+
+
+def _decode_rows(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The decode requests' block tables and lengths, and the longest (chosen on the host: no GPU sync)."""
+    requests = torch.tensor(meta.decode_requests, device=device)
+    longest = max(meta.seq_lens[r] for r in meta.decode_requests)
+    return meta.block_tables[requests], meta.seq_lens_tensor[requests], longest
