@@ -15,7 +15,7 @@ import pytest
 from flotilla import contract
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = [ROOT / "src", ROOT / "engine" / "src", ROOT / "operator" / "src"]
+SOURCE_ROOTS = [ROOT / "src", ROOT / "engine" / "src", ROOT / "operator" / "src", ROOT / "gateway" / "src"]
 HEAVY = ("torch", "triton", "transformers")
 
 
@@ -38,24 +38,24 @@ def test_every_file_imports_under_the_name_its_path_says() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_flotilla_is_a_namespace_package_shared_by_three_distributions() -> None:
+def test_flotilla_is_a_namespace_package_shared_by_four_distributions() -> None:
     assert not any((root / "flotilla" / "__init__.py").exists() for root in SOURCE_ROOTS)
     names = {
         tomllib.loads((d / "pyproject.toml").read_text())["project"]["name"]
-        for d in (ROOT, ROOT / "engine", ROOT / "operator")
+        for d in (ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway")
     }
-    assert names == {"flotilla", "flotilla-engine", "flotilla-operator"}
+    assert names == {"flotilla", "flotilla-engine", "flotilla-operator", "flotilla-gateway"}
 
 
-@pytest.mark.parametrize("project", [".", "operator"])
-def test_the_operator_declares_no_torch_triton_or_transformers(project: str) -> None:
+@pytest.mark.parametrize("project", [".", "operator", "gateway"])
+def test_the_operator_and_gateway_declare_no_torch_triton_or_transformers(project: str) -> None:
     meta = tomllib.loads((ROOT / project / "pyproject.toml").read_text())["project"]
     declared = " ".join(meta["dependencies"]).lower()
     assert not [name for name in HEAVY if name in declared]
 
 
-def test_the_operator_and_the_cli_import_where_torch_cannot() -> None:
-    """Every operator, cluster and CLI module imports in a process where torch, triton and transformers
+def test_the_operator_gateway_and_cli_import_where_torch_cannot() -> None:
+    """Every operator, gateway, cluster and CLI module imports in a process where torch, triton and transformers
     raise ImportError, as in the operator's image."""
     names = [n for n, _ in _modules() if not n.startswith("flotilla.engine")]
     script = f"""
@@ -109,7 +109,7 @@ def _contract_strings() -> dict[str, str]:
 NOT_CONTRACT_CODE = ("engine/src/flotilla/engine/bench/", "engine/src/flotilla/engine/cmd/engine.py")
 
 
-def test_engine_and_operator_spell_no_contract_name_themselves() -> None:
+def test_engine_operator_and_gateway_spell_no_contract_name_themselves() -> None:
     """Metric names, flags, environment variables and paths come from flotilla.contract, never copied."""
     spelled = _contract_strings()
     copies = []

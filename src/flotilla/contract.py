@@ -10,6 +10,8 @@ renamed flag or a missing subcommand fails a test instead of a pod. Standard lib
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 
 # -- where the engine listens -------------------------------------------------------------------------
@@ -46,6 +48,29 @@ ENV_INTERNAL_TOKEN = "FLOTILLA_INTERNAL_TOKEN"
 # -- request headers the engine trusts only from the gateway ---------------------------------------------
 HEADER_TENANT = "X-Flotilla-Tenant"  # the tenant a request is served for (scheduling, metrics)
 HEADER_INTERNAL_TOKEN = "X-Flotilla-Internal-Token"  # must equal the engine's internal token
+
+# -- prefix-cache block hashes: the engine's prefix cache and the gateway's prefix routing -----------------
+# Both hash a prompt's full blocks of BLOCK_SIZE token ids the same way, here, so that a block the gateway
+# predicts a replica holds is a block that replica's cache can find. A hash is chained: it covers its block
+# and, through the parent, every block before it. Python's hash of a tuple of ints is not randomised per
+# process (PYTHONHASHSEED salts only str, bytes and datetime), so two processes of the same CPython agree.
+ROOT_BLOCK_HASH = 0x5EED  # the parent "hash" of a prompt's first block
+
+
+def chained_block_hash(parent: int, block_tokens: tuple[int, ...]) -> int:
+    return hash((parent, block_tokens))
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int, known: list[int] | None = None) -> list[int]:
+    """The chained hashes of every full block of `token_ids`. `known` (the hashes of a prefix, computed
+    before) is extended in place and returned, so a growing sequence hashes each block once."""
+    hashes = [] if known is None else known
+    while len(hashes) < len(token_ids) // block_size:
+        i = len(hashes)
+        parent = hashes[i - 1] if i else ROOT_BLOCK_HASH
+        hashes.append(chained_block_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+    return hashes
+
 
 # -- the engine's metrics (Prometheus names; histograms in seconds) ----------------------------------------
 # Counters are named without `_total`: prometheus_client appends it in the exposition, so a scraper reads
@@ -140,6 +165,65 @@ TENANT_MONTH_COST = "flotilla_tenant_month_cost"  # {tenant}: the same, this cal
 TENANT_MONTHLY_BUDGET = "flotilla_tenant_monthly_budget"  # {tenant}: spec.monthlyBudget, only when set
 TENANT_METERED_TOKENS = "flotilla_tenant_tokens"  # counter {tenant, direction}
 TENANT_LAST_METERED = "flotilla_tenant_last_metered_timestamp_seconds"  # {tenant}: status.lastMeteredTime
+
+
+# -- the gateway (flotilla.gateway): one OpenAI endpoint in front of every InferenceService ----------------
+GATEWAY_PORT = 8080
+# What the gateway reads of the operator's API (flotilla.operator.api.v1alpha1 uses the same names).
+API_GROUP = "flotilla.dev"
+API_VERSION = "v1alpha1"
+INFERENCE_SERVICES = "inferenceservices"  # plural
+TENANTS = "tenants"  # plural, cluster-scoped
+POD_SERVICE_LABEL = "flotilla.dev/inferenceservice"  # on every engine pod: its InferenceService's name
+# The engine's tokenizer (tokenizer.json, tokenizer_config.json) and KV block size, as JSON: the gateway
+# tokenizes prompts as the engine does and hashes them with prefix_block_hashes.
+ENGINE_TOKENIZER_PATH = "/flotilla/tokenizer"
+# Tenants' API keys: Secrets in the gateway's namespace labelled API_KEY_SECRET_LABEL=<tenant>; every data
+# entry (its name is the key's name) is api_key_digest(key). Rotating a key is editing the Secret.
+API_KEY_SECRET_LABEL = "flotilla.dev/api-keys-for"
+# The internal token engines accept HEADER_TENANT with is per namespace: engine_token(master, namespace).
+# The operator writes it into the Secret ENGINE_TOKEN_SECRET (key ENGINE_TOKEN_SECRET_KEY) of each namespace
+# that runs engines and sets ENV_INTERNAL_TOKEN from it; the gateway derives it from the same master. Who
+# reads one namespace's Secret learns nothing about another namespace's token.
+ENGINE_TOKEN_SECRET = "flotilla-engine-token"
+ENGINE_TOKEN_SECRET_KEY = "token"
+# The gateway's demand signal for a service at zero replicas: it sets this annotation on the
+# InferenceService to the RFC 3339 time it held a request; the operator scales such a service to one.
+ANNOTATION_DEMAND = "flotilla.dev/demand"
+
+
+def api_key_digest(key: str) -> str:
+    """What a key Secret stores for an API key: its SHA-256, hex (keys are random, so no salt is needed)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def engine_token(master: str, namespace: str) -> str:
+    """The internal token of the engines in `namespace`, derived from the installation's master token."""
+    return hmac.new(master.encode(), namespace.encode(), hashlib.sha256).hexdigest()
+
+
+# The gateway's series (its own /metrics). Counters without `_total`, as above.
+LABEL_CODE = "code"  # an HTTP status code
+LABEL_LIMIT = "limit"  # a rate limit: "requests" | "tokens"
+GATEWAY_REQUESTS = "flotilla_gateway_requests"  # counter {tenant, model, code}
+GATEWAY_ROUTING_DECISIONS = "flotilla_gateway_routing_decisions"  # counter {reason}
+GATEWAY_PROMPT_TOKENS = "flotilla_gateway_prompt_tokens"  # counter: prompt tokens routed
+GATEWAY_PREDICTED_HIT_TOKENS = "flotilla_gateway_predicted_prefix_hit_tokens"  # counter, of those
+GATEWAY_UPSTREAM_TTFB = "flotilla_gateway_upstream_time_to_first_byte_seconds"  # histogram {model}
+GATEWAY_ADDED_LATENCY = "flotilla_gateway_added_latency_seconds"  # histogram: arrival to upstream send
+GATEWAY_HELD_REQUESTS = "flotilla_gateway_held_requests"  # gauge {model}: waiting for a replica
+GATEWAY_COLD_START = "flotilla_gateway_cold_start_seconds"  # histogram {model}: held until a replica served
+GATEWAY_RATE_LIMITED = "flotilla_gateway_rate_limited"  # counter {tenant, limit}
+GATEWAY_RETRIES = "flotilla_gateway_retries"  # counter {model}
+
+
+# -- conditions the gateway reads (an InferenceService's status.conditions, as the operator writes them) -----
+# A service the tenant's GPU quota holds back (at zero replicas, a demand the quota cannot admit) has
+# CONDITION_QUOTA_ADMITTED "False" with the quota's message, and CONDITION_DEGRADED "True" with reason
+# REASON_QUOTA_LIMITED and the same message; the gateway relays that message to the client it holds.
+CONDITION_QUOTA_ADMITTED = "QuotaAdmitted"
+CONDITION_DEGRADED = "Degraded"
+REASON_QUOTA_LIMITED = "QuotaLimited"
 
 
 # -- the images (the Dockerfile's targets `engine` and `operator`; tests/test_images.py checks them) ----------

@@ -114,8 +114,8 @@ def tiny_preset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def byte_tokenizer(tmp_path_factory):
     """A ModelTokenizer over write_byte_tokenizer's byte-level BPE (one token per byte; no model)."""
-    from flotilla.engine.text.tokenizer import ModelTokenizer
+    from flotilla.engine.text.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("byte-tokenizer")
     write_byte_tokenizer(folder)
-    return ModelTokenizer(folder)
+    return load_tokenizer(folder)

@@ -9,7 +9,7 @@ import pytest
 
 from flotilla.engine.model.config import ModelConfig, ModelLoadError
 from flotilla.engine.model.presets import PRESETS, build_tokenizer, random_weights
-from flotilla.engine.text.tokenizer import ModelTokenizer
+from flotilla.engine.text.tokenizer import load_tokenizer
 
 
 def test_preset_folder_says_it_is_random_and_loads(tiny_preset):
@@ -50,7 +50,7 @@ def test_llama_tokenizer_adds_bos_once(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
     )
-    mt = ModelTokenizer(tmp_path)
+    mt = load_tokenizer(tmp_path)
     ids = mt.encode("hello world")
     assert ids[0] == mt.bos_token_id and ids[1] != mt.bos_token_id
     assert mt.decode(ids) == "hello world"
@@ -112,7 +112,7 @@ def test_missing_files_and_tensors_are_named(hf_models, tmp_path):
         load_model(broken, torch.float32, torch.device("cpu"), 64, show_progress=False)
     (broken / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="tokenizer.json: file not found"):
-        ModelTokenizer(broken)
+        load_tokenizer(broken)
 
 
 def test_sharded_checkpoints_load(hf_models, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.text.detokenizer import IncrementalDetokenizer
-from flotilla.engine.text.tokenizer import ModelTokenizer
+from flotilla.engine.text.tokenizer import load_tokenizer
 
 TEXT = "naïve café — 日本語 😀 ok"
 
@@ -16,7 +16,7 @@ TEXT = "naïve café — 日本語 😀 ok"
 def test_incremental_detokenizer_never_splits_a_character(hf_models, tiny_preset):
     folder, _ = hf_models("qwen2-bias-tied")  # one token per byte: the hardest case
     for path in (folder, tiny_preset):
-        tok = ModelTokenizer(path)
+        tok = load_tokenizer(path)
         ids = tok.encode(TEXT, add_special_tokens=False)
         detok = IncrementalDetokenizer(tok, tok.encode("hello", add_special_tokens=False))
         deltas = [detok.add(t) for t in ids]
@@ -27,7 +27,7 @@ def test_incremental_detokenizer_never_splits_a_character(hf_models, tiny_preset
 
 def test_unfinished_character_at_the_end_becomes_a_replacement(hf_models):
     folder, _ = hf_models("qwen2-bias-tied")
-    tok = ModelTokenizer(folder)
+    tok = load_tokenizer(folder)
     ids = tok.encode("日", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, [0])
     assert [detok.add(t) for t in ids[:2]] == ["", ""]

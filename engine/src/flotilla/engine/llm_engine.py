@@ -23,7 +23,7 @@ from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.text.output_processor import OutputProcessor
-from flotilla.engine.text.tokenizer import ModelTokenizer
+from flotilla.engine.text.tokenizer import load_tokenizer
 
 
 class LLMEngine:
@@ -33,7 +33,7 @@ class LLMEngine:
         self.config = config
         folder = Path(config.model)
         self.model_config = ModelConfig.from_file(folder / "config.json")
-        self.tokenizer = ModelTokenizer(folder)
+        self.tokenizer = load_tokenizer(folder)
         self.runner = ModelRunner(config, self.model_config)
         self.max_model_len = self.runner.max_model_len
         self.kv_manager = KVCacheManager(

@@ -51,11 +51,11 @@ def _init(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from flotilla.engine.model.config import ModelConfig, ModelLoadError
-    from flotilla.engine.text.tokenizer import ModelTokenizer
+    from flotilla.engine.text.tokenizer import load_tokenizer
 
     try:
         config = ModelConfig.from_file(args.dir / "config.json")
-        tokenizer = ModelTokenizer(args.dir)
+        tokenizer = load_tokenizer(args.dir)
     except ModelLoadError as exc:
         print(f"flotilla model info: {exc}", file=sys.stderr)
         return 2

@@ -78,7 +78,7 @@ def serving_threads() -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from flotilla.engine.model.config import ModelConfig, ModelLoadError
     from flotilla.engine.server.run import ServerSettings, run_server
-    from flotilla.engine.text.tokenizer import ModelTokenizer
+    from flotilla.engine.text.tokenizer import load_tokenizer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -95,7 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if config.cpu_threads == 0:
             config = dataclasses.replace(config, cpu_threads=serving_threads())
         ModelConfig.from_file(folder / "config.json")
-        ModelTokenizer(folder)
+        load_tokenizer(folder)
     except (ModelLoadError, ValueError) as exc:
         print(f"flotilla engine serve: {exc}", file=sys.stderr)
         return 2

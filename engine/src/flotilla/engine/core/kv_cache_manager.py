@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flotilla.contract import ROOT_BLOCK_HASH, prefix_block_hashes
 from flotilla.engine.core.block_pool import BlockPool, KVBlock
 from flotilla.engine.core.request import Request
-
-_ROOT_HASH = 0x5EED  # parent "hash" of a request's first block
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,17 +37,11 @@ class KVCacheManager:
         return self.pool.usage()
 
     def _update_block_hashes(self, request: Request) -> None:
-        bs = self.block_size
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
-        while len(hashes) < len(tokens) // bs:
-            i = len(hashes)
-            parent = hashes[i - 1] if i else _ROOT_HASH
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        prefix_block_hashes(request.all_token_ids, self.block_size, request.block_hashes)
 
     def _hash_key(self, request: Request, index: int) -> tuple:
         bs = self.block_size
-        parent = request.block_hashes[index - 1] if index else _ROOT_HASH
+        parent = request.block_hashes[index - 1] if index else ROOT_BLOCK_HASH
         return (parent, tuple(request.all_token_ids[index * bs : (index + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

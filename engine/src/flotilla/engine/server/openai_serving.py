@@ -23,6 +23,7 @@ from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.server.errors import ApiError, bad_request
 from flotilla.engine.server.metrics import EngineMetrics, RequestTimer
 from flotilla.engine.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, _SamplingFields
+from flotilla.engine.text.tokenizer import plain_chat_messages
 
 
 @dataclass
@@ -90,12 +91,7 @@ class Serving:
         return self._job(req, [ids], max_tokens, name, logprobs, arrival_time, tenant)
 
     def chat_prompt_ids(self, messages, add_generation_prompt: bool) -> list[int]:
-        plain = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            plain.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {}))
+        plain = plain_chat_messages([m.model_dump() for m in messages])
         try:
             return self.tokenizer.encode_chat(plain, add_generation_prompt)
         except ValueError as exc:  # no chat template

@@ -1,114 +1,18 @@
-"""Tokenizer of a model folder: tokenizer.json through `tokenizers`, special tokens and the chat template
-from tokenizer_config.json (rendered with jinja2), defaults from generation_config.json."""
+"""The engine's tokenizer: the shared one (flotilla.tokenizer, which the gateway uses too, so both agree on a
+prompt's token ids), read from the model folder, its file errors reported as ModelLoadError."""
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
-from typing import Any
-
-import jinja2
-import jinja2.sandbox
-from tokenizers import Tokenizer
 
 from flotilla.engine.model.config import ModelLoadError
+from flotilla.tokenizer import ModelTokenizer, TokenizerFilesError, plain_chat_messages
+
+__all__ = ["ModelTokenizer", "load_tokenizer", "plain_chat_messages"]
 
 
-def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json writes special tokens as strings or as AddedToken objects.
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path, required: bool) -> dict:
-    if not path.is_file():
-        if required:
-            raise ModelLoadError(f"{path}: file not found")
-        return {}
+def load_tokenizer(folder: str | Path) -> ModelTokenizer:
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
-
-
-class ModelTokenizer:
-    def __init__(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{path}: file not found (the engine needs a fast tokenizer.json)")
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: cannot be read by `tokenizers`: {exc}") from exc
-        config_path = folder / "tokenizer_config.json"
-        self.config = _read_json(config_path, required=True)
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
-        self.bos_token_id = self._special_id("bos_token", self.bos_token, config_path)
-        self.eos_token_id = self._special_id("eos_token", self.eos_token, config_path)
-        self.add_bos_token = bool(self.config.get("add_bos_token", False))
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if template is not None and not isinstance(template, str):
-            raise ModelLoadError(f"{config_path}: field 'chat_template': expected a string")
-        self.chat_template = template
-        self._compiled_template = None
-        self.generation_config = _read_json(folder / "generation_config.json", required=False)
-        self.special_ids = set(self.tokenizer.get_added_tokens_decoder())
-
-    def _special_id(self, field: str, text: str | None, path: Path) -> int | None:
-        if text is None:
-            return None
-        token_id = self.tokenizer.token_to_id(text)
-        if token_id is None:
-            raise ModelLoadError(f"{path}: field {field!r}: token {text!r} is not in tokenizer.json")
-        return token_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        bos = self.bos_token_id
-        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
-        return ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
-        if self._compiled_template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled_template = env.from_string(self.chat_template)
-        return self._compiled_template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **extra,
-        )
-
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes the special tokens itself.
-        return self.tokenizer.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        ).ids
-
-
-def _raise_template_error(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+        return ModelTokenizer.from_folder(folder)
+    except TokenizerFilesError as exc:
+        raise ModelLoadError(str(exc)) from exc

@@ -1,10 +1,13 @@
-"""POST /tokenize and /detokenize: the server's tokenizer, for clients that count or build prompts."""
+"""POST /tokenize and /detokenize: the server's tokenizer, for clients that count or build prompts; and
+GET ENGINE_TOKENIZER_PATH: the tokenizer's files and the KV block size, for the gateway, which tokenizes and
+hashes prompts exactly as this engine does (flotilla.tokenizer, flotilla.contract.prefix_block_hashes)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from flotilla.contract import ENGINE_TOKENIZER_PATH
 from flotilla.engine.server import protocol as api
 from flotilla.engine.server.errors import bad_request, parse_json_body
 from flotilla.engine.server.gate import Gate, get_gate, require_api_key
@@ -38,3 +41,17 @@ async def detokenize(request: Request, gate: Gate = Depends(get_gate)) -> JSONRe
     if bad:
         raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (size {s.vocab_size})", "tokens")
     return JSONResponse({"prompt": s.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+@router.get(ENGINE_TOKENIZER_PATH, responses=ERRORS, include_in_schema=False)
+async def tokenizer_files(gate: Gate = Depends(get_gate)) -> JSONResponse:
+    s = gate.serving()
+    config = s.engine.engine.config
+    return JSONResponse({
+        "model": gate.settings.model_name,
+        "block_size": config.block_size,
+        "prefix_caching": config.enable_prefix_caching,
+        "num_blocks": s.engine.engine.kv_manager.num_blocks,
+        "tokenizer_json": s.tokenizer.tokenizer.to_str(),
+        "tokenizer_config": s.tokenizer.config,
+    })  # fmt: skip

@@ -1,0 +1,115 @@
+"""`flotilla gateway run`: the OpenAI front door for every InferenceService; `flotilla gateway key`: a new
+API key for a tenant, stored hashed in a Secret the gateway reads.
+
+Import-light: the command functions import the server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from flotilla.contract import API_KEY_SECRET_LABEL, FLAG_HOST, FLAG_PORT, GATEWAY_PORT, api_key_digest
+from flotilla.gateway.core.picker import ROUTING_POLICIES
+
+KEY_PREFIX = "fl-"
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser("run", help="serve the gateway", description=__doc__)
+    run.add_argument(FLAG_HOST, default="0.0.0.0")
+    run.add_argument(FLAG_PORT, type=int, default=GATEWAY_PORT)
+    run.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
+                     help="prefix: cache affinity and load (default); least-load; round-robin (a Service's spread)")  # fmt: skip
+    run.add_argument("--kubeconfig", type=Path, help="default: in-cluster, else $KUBECONFIG")
+    run.add_argument("--keys-namespace", default=os.environ.get("POD_NAMESPACE", "flotilla-system"),
+                     help="where the tenants' API key Secrets are (default: $POD_NAMESPACE)")  # fmt: skip
+    run.add_argument("--engine-token-file", type=Path,
+                     help="the installation's master token: engines then count requests by the caller's tenant")  # fmt: skip
+    run.add_argument("--static-model", action="append", default=[], metavar="NAME=URL[,URL...]",
+                     help="serve NAME from fixed engine URLs, without Kubernetes or keys (benchmarks)")  # fmt: skip
+    run.add_argument("--max-body-bytes", type=int, default=None)
+    run.add_argument("--hold-timeout", type=float, default=None, help="seconds a request waits for a replica")
+    run.add_argument("--max-held", type=int, default=None, help="requests held per service before 429")
+    run.set_defaults(func=_run)
+
+    key = commands.add_parser("key", help="create an API key for a tenant (printed once, stored hashed)")
+    key.add_argument("tenant")
+    key.add_argument("--name", default=None, help="the key's name in the Secret (default: random)")
+    key.add_argument("--namespace", default="flotilla-system", help="the gateway's namespace")
+    key.add_argument("--secret", default=None, help="the Secret to add it to (default: <tenant>-api-keys)")
+    key.set_defaults(func=_key)
+
+
+def _settings(args: argparse.Namespace):
+    from flotilla.gateway.config import GatewaySettings
+
+    given = {
+        "max_body_bytes": args.max_body_bytes,
+        "hold_timeout": args.hold_timeout,
+        "max_held": args.max_held,
+    }
+    master = args.engine_token_file.read_text().strip() if args.engine_token_file else None
+    return GatewaySettings(routing=args.routing, engine_token_master=master, require_keys=not args.static_model,
+                           **{k: v for k, v in given.items() if v is not None})  # fmt: skip
+
+
+def parse_static(entries: list[str]) -> dict[str, list[str]]:
+    models: dict[str, list[str]] = {}
+    for entry in entries:
+        name, sep, urls = entry.partition("=")
+        listed = [u.strip() for u in urls.split(",") if u.strip()]
+        if not sep or not name or not listed:
+            raise SystemExit(
+                f"--static-model {entry!r}: expected NAME=URL[,URL...], e.g. tiny=http://127.0.0.1:8000"
+            )
+        models[name] = listed
+    return models
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flotilla.gateway.app import Gateway
+    from flotilla.gateway.fleet import KubeFleet, StaticFleet
+    from flotilla.gateway.kube import Kube, load_config
+    from flotilla.gateway.run import run_gateway
+
+    settings = _settings(args)
+    if args.static_model:
+        fleet = StaticFleet(parse_static(args.static_model))
+    else:
+        fleet = KubeFleet(Kube(load_config(args.kubeconfig)), args.keys_namespace)
+    print(
+        f"flotilla gateway: routing={settings.routing} on {args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_gateway(Gateway(settings, fleet), args.host, args.port)
+    return 0
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_secret(tenant: str, name: str, key: str, namespace: str, secret: str) -> dict:
+    """The Secret (for `kubectl apply`) that adds `key`, hashed, under `name`."""
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": secret, "namespace": namespace, "labels": {API_KEY_SECRET_LABEL: tenant}},
+            "stringData": {name: api_key_digest(key)}}  # fmt: skip
+
+
+def _key(args: argparse.Namespace) -> int:
+    import json
+
+    key = new_key()
+    name = args.name or f"key-{secrets.token_hex(4)}"
+    manifest = key_secret(args.tenant, name, key, args.namespace, args.secret or f"{args.tenant}-api-keys")
+    print(
+        f"API key for tenant {args.tenant} (shown once; only its SHA-256 is stored): {key}", file=sys.stderr
+    )
+    print("apply the Secret below with `kubectl apply --server-side -f -` (it adds the key; other keys in the "
+          "Secret stay):", file=sys.stderr)  # fmt: skip
+    print(json.dumps(manifest, indent=2))
+    return 0

@@ -1,0 +1,232 @@
+"""What the gateway knows about an InferenceService, from the raw Kubernetes JSON (camelCase) of the object
+and its pods. Frozen views, so a request works on one consistent snapshot while watches replace them.
+
+The gateway does not import the operator (whose pydantic types describe the same objects): it reads only
+the few fields routing needs, and tolerates everything else being absent, as a half-reconciled object is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from flotilla.contract import ENGINE_PORT
+
+# The engine's KV block size when spec.engine.blockSize is unset: flotilla.engine.config.EngineConfig's
+# block_size default. Not imported: the gateway does not depend on the engine. The prefix hashes of a
+# service's prompts must use its real block size, or no predicted hit is a hit.
+DEFAULT_BLOCK_SIZE = 16
+
+_GONE_PHASES = ("Succeeded", "Failed")  # pods that keep an IP but serve nothing again
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One engine replica: `url` is its base (http://10.0.0.5:8000), without OPENAI_PATH."""
+
+    url: str
+    pod: str
+    ready: bool
+    draining: bool  # the pod is being deleted: it finishes what it has, so it gets nothing new
+
+
+@dataclass(frozen=True)
+class ServiceView:
+    namespace: str
+    name: str
+    served_name: str  # what clients send as "model"
+    tenant: str | None  # the Tenant owning the namespace; None: shared by every tenant
+    min_replicas: int | None  # spec.autoscaling.minReplicas; None without autoscaling
+    desired_replicas: int  # status.desiredReplicas
+    gpus_per_replica: int
+    endpoints: tuple[Endpoint, ...] = ()
+    quota_refusal: str | None = None  # why quota gives the service no replica, if it does not
+    block_size: int | None = None  # spec.engine.blockSize; None: the engine's default
+
+    @property
+    def key(self) -> str:
+        """`namespace/name`: the service's unique id (also a model name clients may send)."""
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def effective_block_size(self) -> int:
+        return self.block_size or DEFAULT_BLOCK_SIZE
+
+
+def service_view(
+    obj: dict[str, Any], pods: list[dict[str, Any]], tenant_of_namespace: Callable[[str], str | None]
+) -> ServiceView:
+    """The view of an InferenceService `obj` whose pods (already selected by the caller) are `pods`."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
+    autoscaling = spec.get("autoscaling")
+    desired = int(status.get("desiredReplicas") or 0)
+    return ServiceView(
+        namespace=namespace,
+        name=name,
+        served_name=(spec.get("model") or {}).get("servedName") or name,
+        tenant=tenant_of_namespace(namespace),
+        # minReplicas defaults to 1 in the CRD (flotilla.operator.api.v1alpha1.Autoscaling).
+        min_replicas=int(autoscaling.get("minReplicas", 1)) if isinstance(autoscaling, dict) else None,
+        desired_replicas=desired,
+        gpus_per_replica=int((spec.get("resources") or {}).get("gpus", 1)),
+        endpoints=tuple(sorted(filter(None, map(_endpoint, pods)), key=lambda e: e.url)),
+        quota_refusal=_quota_refusal(status.get("conditions") or [], desired),
+        block_size=(spec.get("engine") or {}).get("blockSize") or None,
+    )
+
+
+def _endpoint(pod: dict[str, Any]) -> Endpoint | None:
+    """None for a pod that has no address yet, or has finished for good."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    ip = status.get("podIP")
+    if not ip or status.get("phase") in _GONE_PHASES:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip  # an IPv6 address needs brackets in a URL
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    return Endpoint(
+        url=f"http://{host}:{ENGINE_PORT}",
+        pod=meta.get("name") or "",
+        ready=ready,
+        draining=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def _quota_refusal(conditions: list[dict[str, Any]], desired_replicas: int) -> str | None:
+    """Why quota gives the service no replica (the operator's own message), so that a held request is
+    refused at once with it instead of waiting for a replica that cannot come. Degraded/QuotaLimited alone
+    means fewer replicas than asked: a refusal only when quota admits none at all."""
+    by_type = {c.get("type"): c for c in conditions}
+    admitted = by_type.get("QuotaAdmitted")
+    if admitted is not None and admitted.get("status") == "False":
+        return admitted.get("message") or "the tenant's quota does not admit this service"
+    degraded = by_type.get("Degraded")
+    if (
+        desired_replicas == 0
+        and degraded is not None
+        and degraded.get("status") == "True"
+        and degraded.get("reason") == "QuotaLimited"
+    ):
+        return degraded.get("message") or "the tenant's quota admits no replica of this service"
+    return None
+
+
+def routable(service: ServiceView) -> list[Endpoint]:
+    """The endpoints a new request may go to: ready, and not being deleted."""
+    return [e for e in service.endpoints if e.ready and not e.draining]
+
+
+def scales_from_zero(service: ServiceView) -> bool:
+    """Whether a request for the service with no routable endpoint should be held (and signal demand)
+    rather than refused: its autoscaler may take it to zero, and brings it back on demand."""
+    return service.min_replicas == 0
+
+
+# -- which service a request's "model" names, and who may use it ------------------------------------------
+
+
+def may_use(tenant: str | None, service: ServiceView) -> bool:
+    """A service in a tenant's namespace is that tenant's alone; one in a namespace no tenant owns is
+    shared by every tenant. A caller without a tenant (no API keys configured) sees only shared ones."""
+    return service.tenant is None or service.tenant == tenant
+
+
+@dataclass(frozen=True)
+class NotFound:
+    model: str
+    status: int = 404
+    code: str = "model_not_found"
+
+    @property
+    def message(self) -> str:
+        return f"the model {self.model!r} does not exist"
+
+
+@dataclass(frozen=True)
+class Forbidden:
+    """The model exists but belongs to another tenant. The message names only what the client sent: never
+    the owner, its namespaces or its other services."""
+
+    model: str
+    status: int = 403
+    code: str = "model_forbidden"
+
+    @property
+    def message(self) -> str:
+        return f"your API key's tenant may not use the model {self.model!r}"
+
+
+@dataclass(frozen=True)
+class Ambiguous:
+    """Several services the caller may use serve this name; `candidates` are their `namespace/name` ids,
+    only ever ones the caller may use."""
+
+    model: str
+    candidates: tuple[str, ...]
+    status: int = 400
+    code: str = "model_ambiguous"
+
+    @property
+    def message(self) -> str:
+        return f"the model name {self.model!r} is ambiguous: send 'namespace/name', one of " + ", ".join(
+            repr(c) for c in self.candidates
+        )
+
+
+ResolveError = NotFound | Forbidden | Ambiguous
+
+
+class ModelIndex:
+    """Every InferenceService the gateway knows, by `namespace/name` and by served name. Immutable: the
+    gateway builds a new index when a watch changes a service and swaps it in."""
+
+    def __init__(self, services: Iterable[ServiceView] = ()) -> None:
+        self._by_key: dict[str, ServiceView] = {s.key: s for s in services}
+        self._by_served: dict[str, list[ServiceView]] = {}
+        for service in sorted(self._by_key.values(), key=lambda s: s.key):
+            self._by_served.setdefault(service.served_name, []).append(service)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def services(self) -> list[ServiceView]:
+        return sorted(self._by_key.values(), key=lambda s: s.key)
+
+    def get(self, key: str) -> ServiceView | None:
+        """The service `namespace/name`, visible or not (for the server's own bookkeeping, not requests)."""
+        return self._by_key.get(key)
+
+    def resolve(self, model: str, tenant: str | None) -> ServiceView | ResolveError:
+        """The service `model` names for a caller of `tenant`.
+
+        `namespace/name` always names that service (checked first: a served name may itself contain a '/',
+        like 'org/model', and still works when no service has that key). A bare served name names the one
+        service the caller may use that serves it; other tenants' services of the same name do not make it
+        ambiguous, and are never listed. Forbidden only when the name exists for nobody the caller may be.
+        """
+        service = self._by_key.get(model)
+        if service is not None:
+            return service if may_use(tenant, service) else Forbidden(model)
+        serving = self._by_served.get(model, [])
+        usable = [s for s in serving if may_use(tenant, s)]
+        if len(usable) == 1:
+            return usable[0]
+        if usable:
+            return Ambiguous(model, tuple(s.key for s in usable))
+        return Forbidden(model) if serving else NotFound(model)
+
+    def visible_models(self, tenant: str | None) -> list[tuple[str, ServiceView]]:
+        """(id, service) for /v1/models: every service the caller may use, by its served name when that
+        resolves to it for this caller, else by `namespace/name`. Sorted by id."""
+        models = []
+        for service in self._by_key.values():
+            if not may_use(tenant, service):
+                continue
+            bare = self.resolve(service.served_name, tenant)
+            models.append((service.served_name if bare is service else service.key, service))
+        return sorted(models, key=lambda pair: (pair[0], pair[1].key))
