@@ -62,6 +62,7 @@ class Gateway:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
         self.demand_sent: dict[str, float] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop: watches and requests run on it
         fleet.on_change = self.fleet_changed
 
     # -- the fleet changed: wake held requests whose service can now be served (or never will) --------
@@ -128,6 +129,9 @@ class Gateway:
                 self.metrics.rate_limited.labels(tenant, limited.limit).inc()
                 raise GatewayError(429, limited.message, code="rate_limit_exceeded",
                                    headers={"Retry-After": str(limited.retry_after_seconds)})  # fmt: skip
+        if body["model"] != service.served_name:  # `namespace/name`: the engine knows its served name only
+            body["model"] = service.served_name
+            content = json.dumps(body).encode()
         stream = body.get("stream") is True
         path = OPENAI_PATH + ("/chat/completions" if chat else "/completions")
         if not routable(service):
@@ -306,11 +310,9 @@ class Gateway:
     def charge_completion(self, tenant: str | None, data: bytes) -> None:
         if tenant is None:
             return
-        with contextlib.suppress(ValueError, AttributeError, TypeError):
+        with contextlib.suppress(ValueError, LookupError, TypeError):  # an error body has no usage
             completion = int(json.loads(data)["usage"]["completion_tokens"])
             self.limiter.charge_tokens(tenant, completion, time.monotonic())
-        with contextlib.suppress(KeyError):  # an error body has no usage
-            pass
 
     async def until_disconnected(self, request: Request, work: Awaitable[T]) -> T:
         """`work`, unless the client disconnects first: then `work` is cancelled and ClientGone raised."""
@@ -375,6 +377,7 @@ def build_app(gateway: Gateway) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette):
+        gateway.loop = asyncio.get_running_loop()
         tasks = [asyncio.ensure_future(gateway.fleet.run()), asyncio.ensure_future(gateway.stats.run())]
         try:
             yield
