@@ -4,6 +4,8 @@
 #       `flotilla engine serve` and `flotilla model fetch`: flotilla + flotilla-engine, CUDA torch and triton
 #   docker build --target operator -t ghcr.io/flotilla-dev/flotilla-operator:0.1.0 .
 #       `flotilla operator run`: flotilla + flotilla-operator only, no torch, no CUDA
+#   docker build --target gateway  -t ghcr.io/flotilla-dev/flotilla-gateway:0.1.0 .
+#       `flotilla gateway run`: flotilla + flotilla-gateway only (tokenizers, no torch)
 # The repositories and the uid are flotilla.contract's IMAGE_* names; tests/test_images.py parses this file
 # and checks them, the targets, what each installs and that its command parses with the real CLI.
 # Both run as uid/gid 65532 (the pods' runAsUser, runAsGroup and fsGroup) on a read-only root filesystem:
@@ -18,7 +20,8 @@ COPY pyproject.toml README.md ./
 COPY src ./src
 COPY engine ./engine
 COPY operator ./operator
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . ./engine ./operator
+COPY gateway ./gateway
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . ./engine ./operator ./gateway
 
 # -- engine: the engine distribution with its pinned torch and triton (CUDA wheels from PyPI) --------------
 # Not the slim base: Triton compiles its CUDA driver stub and each kernel's launcher with the system C
@@ -75,3 +78,25 @@ WORKDIR /tmp
 USER 65532:65532
 ENTRYPOINT ["flotilla"]
 CMD ["operator", "run"]
+
+# -- gateway: flotilla + flotilla-gateway only (starlette, httpx, tokenizers): no torch, no CUDA ------------
+FROM python:3.11-slim-bookworm AS gateway
+RUN groupadd --gid 65532 flotilla \
+    && useradd --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin flotilla
+RUN --mount=type=bind,from=wheels,source=/wheels,target=/wheels \
+    python -m venv /opt/flotilla \
+    && /opt/flotilla/bin/pip install --no-cache-dir --disable-pip-version-check --compile \
+        /wheels/flotilla-*.whl /wheels/flotilla_gateway-*.whl \
+    && python -m compileall -q -j 0 /usr/local/lib/python3.11
+ENV PATH=/opt/flotilla/bin:$PATH \
+    VIRTUAL_ENV=/opt/flotilla \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    XDG_CONFIG_HOME=/tmp/.config
+WORKDIR /tmp
+USER 65532:65532
+EXPOSE 8080
+ENTRYPOINT ["flotilla"]
+CMD ["gateway", "run"]

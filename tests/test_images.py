@@ -23,7 +23,7 @@ from flotilla.operator.desired.workload import Decision, Owner, deployment
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
-DISTRIBUTION_DIRS = [ROOT, ROOT / "engine", ROOT / "operator"]
+DISTRIBUTION_DIRS = [ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway"]
 HEAVY = ("torch", "triton", "transformers")
 
 # The image naming: a target is named after the distribution it adds to the root one (`flotilla`), its
@@ -31,11 +31,13 @@ HEAVY = ("torch", "triton", "transformers")
 TARGETS = {
     "engine": ("flotilla-engine", contract.ENGINE_IMAGE_REPOSITORY, contract.ENGINE_IMAGE),
     "operator": ("flotilla-operator", contract.OPERATOR_IMAGE_REPOSITORY, contract.OPERATOR_IMAGE),
+    "gateway": ("flotilla-gateway", contract.GATEWAY_IMAGE_REPOSITORY, contract.GATEWAY_IMAGE),
 }
 # Environment that points every home and cache a runtime writes into /tmp (the read-only root filesystem).
 TMP_ENV = {
     "engine": ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "HF_HOME", "TRITON_HOME", "TRITON_CACHE_DIR"),
     "operator": ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"),
+    "gateway": ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"),
 }
 
 
@@ -322,13 +324,12 @@ def test_the_build_context_sends_what_the_builder_copies() -> None:
                 ), f"COPY {source}: .dockerignore leaves it out"
 
 
-def test_the_charts_pods_run_the_operator_targets_entry_point() -> None:
-    """Every pod the Helm chart makes runs the operator image, with its ENTRYPOINT as the command; the
-    operator Deployment's arguments start with the target's CMD."""
+def test_the_charts_pods_run_their_targets_entry_point() -> None:
+    """Every pod the Helm chart makes runs the operator image (the gateway's: the gateway image), with the
+    target's ENTRYPOINT as the command; each Deployment's arguments start with its target's CMD."""
     from flotilla.cluster.helm import helm
 
-    stage = parse_dockerfile(DOCKERFILE.read_text())["operator"]
-    entrypoint, cmd = stage.exec_form("ENTRYPOINT"), stage.exec_form("CMD")
+    stages = parse_dockerfile(DOCKERFILE.read_text())
     rendered = helm(
         "template", "flotilla", str(ROOT / "charts" / "flotilla"),
         "--set", "tests.namespace=team-a", "--set", "tests.modelUri=file:///m",
@@ -336,13 +337,17 @@ def test_the_charts_pods_run_the_operator_targets_entry_point() -> None:
     pods = []
     for doc in yaml.safe_load_all(rendered):
         if doc and doc["kind"] in ("Deployment", "Job"):
-            pods.append((doc["kind"], doc["spec"]["template"]["spec"]))
+            target = "gateway" if doc["metadata"]["name"] == "flotilla-gateway" else "operator"
+            pods.append((doc["kind"], target, doc["spec"]["template"]["spec"]))
         elif doc and doc["kind"] == "Pod":
-            pods.append(("Pod", doc["spec"]))
-    assert {kind for kind, _ in pods} == {"Deployment", "Job", "Pod"}
-    for kind, spec in pods:
+            pods.append(("Pod", "operator", doc["spec"]))
+    assert {kind for kind, _, _ in pods} == {"Deployment", "Job", "Pod"}
+    assert {target for _, target, _ in pods} == {"operator", "gateway"}
+    for kind, target, spec in pods:
+        stage = stages[target]
+        entrypoint, cmd = stage.exec_form("ENTRYPOINT"), stage.exec_form("CMD")
         for container in spec["containers"]:
-            assert container["image"] == contract.OPERATOR_IMAGE, kind
+            assert container["image"] == TARGETS[target][2], kind
             assert container["command"] == entrypoint, kind
             if kind == "Deployment":
                 assert container["args"][: len(cmd)] == cmd

@@ -226,15 +226,17 @@ CONDITION_DEGRADED = "Degraded"
 REASON_QUOTA_LIMITED = "QuotaLimited"
 
 
-# -- the images (the Dockerfile's targets `engine` and `operator`; tests/test_images.py checks them) ----------
+# -- the images (the Dockerfile's targets `engine`, `operator` and `gateway`; tests/test_images.py checks them) ----------
 # One repository per target, named after the distribution it adds to `flotilla`; tagged with the
 # distributions' version. The operator's default engine image and the Helm chart's values read these.
 IMAGE_REGISTRY = "ghcr.io/flotilla-dev"
 ENGINE_IMAGE_REPOSITORY = f"{IMAGE_REGISTRY}/flotilla-engine"
 OPERATOR_IMAGE_REPOSITORY = f"{IMAGE_REGISTRY}/flotilla-operator"
+GATEWAY_IMAGE_REPOSITORY = f"{IMAGE_REGISTRY}/flotilla-gateway"
 IMAGE_TAG = "0.1.0"
 ENGINE_IMAGE = f"{ENGINE_IMAGE_REPOSITORY}:{IMAGE_TAG}"
 OPERATOR_IMAGE = f"{OPERATOR_IMAGE_REPOSITORY}:{IMAGE_TAG}"
+GATEWAY_IMAGE = f"{GATEWAY_IMAGE_REPOSITORY}:{IMAGE_TAG}"
 # The user and group both images run as, and engine pods' runAsUser, runAsGroup and fsGroup.
 IMAGE_UID = 65532
 

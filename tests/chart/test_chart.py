@@ -177,9 +177,14 @@ def test_local_webhook_dials_the_node_port():
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
 
 
+def tls_secrets(docs: list[dict]) -> list[dict]:
+    """The webhook's Secrets (the engine token's master Secret is there in every mode)."""
+    return [d for d in by_kind(docs, "Secret") if d["metadata"]["name"] != "flotilla-engine-token-master"]
+
+
 def test_cert_manager_and_existing_secret_modes():
     docs = render("--set", "webhook.certs=certManager")
-    assert not by_kind(docs, "Secret")
+    assert not tls_secrets(docs)
     certificate = one(docs, "Certificate", "flotilla-webhook")
     assert certificate["spec"]["secretName"] == "flotilla-webhook-tls"
     assert certificate["spec"]["issuerRef"]["name"] == one(docs, "Issuer")["metadata"]["name"]
@@ -190,14 +195,14 @@ def test_cert_manager_and_existing_secret_modes():
     )
 
     docs = render("--set", "webhook.certs=existingSecret", "--set", "webhook.existingSecret=my-tls")
-    assert not by_kind(docs, "Secret") and not by_kind(docs, "Certificate")
-    volumes = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert not tls_secrets(docs) and not by_kind(docs, "Certificate")
+    volumes = one(docs, "Deployment", "flotilla-operator")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "webhook-tls", "secret": {"secretName": "my-tls"}} in volumes
 
 
 def test_webhook_off():
     docs = render("--set", "webhook.enabled=false")
-    assert not by_kind(docs, "ValidatingWebhookConfiguration") and not by_kind(docs, "Secret")
+    assert not by_kind(docs, "ValidatingWebhookConfiguration") and not tls_secrets(docs)
     args = _parse(_operator_container(docs))
     assert args.webhook_port == 0
 
@@ -255,3 +260,53 @@ def test_the_operator_pod_carries_the_scrape_annotations(default_docs):
     assert annotations[contract.ANNOTATION_PATH] == contract.METRICS_PATH
     ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
     assert int(annotations[contract.ANNOTATION_PORT]) == ports["metrics"]
+
+
+# -- the gateway -----------------------------------------------------------------------------------------
+def test_gateway_files_are_the_generators_output():
+    from flotilla.gateway.rbac import files as gateway_files
+
+    stale = [name for name, text in gateway_files().items() if (CHART / "files" / name).read_text() != text]
+    assert not stale, f"out of date (run `flotilla gateway chart`): {stale}"
+
+
+def test_gateway_rbac_is_least_privilege_and_the_generators(default_docs):
+    from flotilla.gateway.rbac import cluster_rules as gateway_rules
+    from flotilla.gateway.rbac import namespace_rules
+
+    assert one(default_docs, "ClusterRole", "flotilla-gateway")["rules"] == gateway_rules()
+    role = one(default_docs, "Role", "flotilla-gateway")
+    assert role["rules"] == namespace_rules() and role["metadata"]["namespace"] == "flotilla-system"
+    cluster_wide = {r for rule in gateway_rules() for r in rule["resources"]}
+    assert "secrets" not in cluster_wide  # API keys are read in the gateway's own namespace only
+    verbs = {v for rule in gateway_rules() for v in rule["verbs"]}
+    assert verbs <= {"get", "list", "watch", "patch"}
+
+
+def test_gateway_and_operator_share_the_engine_token_and_parse(default_docs):
+    gateway = one(default_docs, "Deployment", "flotilla-gateway")["spec"]["template"]["spec"]
+    container = gateway["containers"][0]
+    args = _parse(container)
+    assert (args.group, args.command) == ("gateway", "run")
+    assert args.port == 8080 and args.routing == "prefix" and args.keys_namespace == "flotilla-system"
+    assert container["image"] == contract.GATEWAY_IMAGE
+    operator_args = _parse(_operator_container(default_docs))
+    secret = one(default_docs, "Secret", "flotilla-engine-token-master")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    for pod, path in ((gateway, args.engine_token_file), (one(default_docs, "Deployment", "flotilla-operator")
+                      ["spec"]["template"]["spec"], operator_args.engine_token_file)):  # fmt: skip
+        mounts = {m["mountPath"]: m["name"] for c in pod["containers"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        volume = volumes[mounts[str(Path(path).parent)]]
+        assert volume["secret"]["secretName"] == "flotilla-engine-token-master"
+        assert Path(path).name == "token"
+    service = one(default_docs, "Service", "flotilla-gateway")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_gateway_values_are_checked():
+    bad = helm("template", "flotilla", str(CHART), "--set", "gateway.routing=random", check=False)
+    assert bad.returncode != 0 and "routing" in bad.stderr
+    off = render("--set", "gateway.enabled=false")
+    assert not [d for d in off if d["metadata"]["name"] == "flotilla-gateway"]

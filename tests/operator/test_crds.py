@@ -143,3 +143,49 @@ def test_crd_files_are_loadable_yaml():
     for text in crd_files().values():
         doc = yaml.safe_load(text)
         assert doc["kind"] == "CustomResourceDefinition"
+
+
+def test_tenant_rate_limits_are_stored_as_given():
+    spec = TenantSpec.model_validate({"rateLimits": {"requestsPerSecond": 2.5, "tokensPerMinute": 60000}})
+    assert spec.rate_limits is not None
+    assert (spec.rate_limits.requests_per_second, spec.rate_limits.tokens_per_minute) == (2.5, 60000)
+    assert spec.to_wire()["rateLimits"] == {"requestsPerSecond": 2.5, "tokensPerMinute": 60000}
+    assert TenantSpec().rate_limits is None  # unset: no limit
+    props = _spec_schema(TENANT)["properties"]["rateLimits"]["properties"]
+    assert (
+        props["requestsPerSecond"]["minimum"] == 0 and props["requestsPerSecond"]["exclusiveMinimum"] is True
+    )
+    assert (props["tokensPerMinute"]["type"], props["tokensPerMinute"]["minimum"]) == ("integer", 1)
+
+
+@pytest.mark.parametrize(
+    ("limits", "field", "says"),
+    [
+        ({"requestsPerSecond": 0}, "rateLimits.requestsPerSecond", "greater than 0"),
+        ({"requestsPerSecond": -1.5}, "rateLimits.requestsPerSecond", "greater than 0"),
+        ({"tokensPerMinute": 0}, "rateLimits.tokensPerMinute", "greater than or equal to 1"),
+        ({"tokensPerMinute": 1.5}, "rateLimits.tokensPerMinute", "integer"),
+        ({"requestsPerMinute": 10}, "rateLimits.requestsPerMinute", "Extra inputs"),
+    ],
+)
+def test_bad_rate_limits_name_the_field(limits, field, says):
+    with pytest.raises(ValidationError) as caught:
+        TenantSpec.model_validate({"rateLimits": limits})
+    (error,) = caught.value.errors()
+    assert ".".join(str(p) for p in error["loc"]) == field
+    assert says in error["msg"]
+    assert field in str(caught.value)
+
+
+def test_scale_to_zero_after_seconds():
+    auto = _spec_schema(INFERENCE_SERVICE)["properties"]["autoscaling"]["properties"]
+    assert auto["minReplicas"]["minimum"] == 0
+    stz = auto["scaleToZeroAfterSeconds"]
+    assert (stz["default"], stz["minimum"], stz["type"]) == (300, 30, "integer")
+    base = {"model": {"uri": "file:///m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}
+    spec = InferenceServiceSpec.model_validate(base)
+    assert spec.autoscaling is not None and spec.autoscaling.scale_to_zero_after_seconds == 300
+    with pytest.raises(ValidationError, match="autoscaling.scaleToZeroAfterSeconds"):
+        InferenceServiceSpec.model_validate(
+            {**base, "autoscaling": {**base["autoscaling"], "scaleToZeroAfterSeconds": 5}}
+        )

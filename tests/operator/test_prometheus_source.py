@@ -121,6 +121,11 @@ def test_queries_select_the_service_and_window():
     q = prometheus_source.queries("team-a", "chat", 45)
     assert q["waiting"] == 'sum by (pod) (flotilla_num_requests_waiting{namespace="team-a",service="chat"})'
     assert "[45s]" in q["ttft_p95"] and q["ttft_p95"].startswith("histogram_quantile(0.95,")
+    assert q["running"] == 'sum by (pod) (flotilla_num_requests_running{namespace="team-a",service="chat"})'
+    assert q["tokens"] == (
+        'sum by (pod) ({__name__=~"flotilla_prompt_tokens_total|flotilla_generation_tokens_total",'
+        'namespace="team-a",service="chat"})'
+    )
 
 
 def test_prometheus_mode_reads_the_same_signals_as_scraping(engines, prometheus):
@@ -130,6 +135,8 @@ def test_prometheus_mode_reads_the_same_signals_as_scraping(engines, prometheus)
 
     engines["chat-0"].stats.num_waiting = 5
     engines["chat-1"].stats.num_waiting = 1
+    engines["chat-0"].stats.num_running = 3
+    engines["chat-1"].stats.prompt_tokens, engines["chat-1"].stats.generation_tokens = 30, 12
     for _ in range(20):
         engines["chat-0"].metrics.ttft.observe(1.2)
     for _ in range(20):
@@ -138,7 +145,8 @@ def test_prometheus_mode_reads_the_same_signals_as_scraping(engines, prometheus)
 
     def fresh():
         s = _collect(prometheus, {"chat-0", "chat-1"})
-        return s if s.waiting == {"chat-0": 5, "chat-1": 1} and s.ttft_p95 is not None else None
+        seen = s.waiting == {"chat-0": 5, "chat-1": 1} and s.tokens.get("chat-1") == 42
+        return s if seen and s.ttft_p95 is not None else None
 
     via_prometheus = _wait(fresh, "Prometheus to see the new values")
     # The same bucket, interpolated the same way; rate()'s per-series extrapolation shifts it slightly.
@@ -146,6 +154,9 @@ def test_prometheus_mode_reads_the_same_signals_as_scraping(engines, prometheus)
     assert 1.0 < via_prometheus.ttft_p95 <= 1.5
     assert via_prometheus.ttft_p95 == pytest.approx(direct.ttft_p95, rel=0.05)
     assert via_prometheus.kv_usage == 0 and via_prometheus.errors == {}
+    # The idle rule's figures (scale to zero) read the same either way.
+    assert via_prometheus.running == direct.running == {"chat-0": 3, "chat-1": 0}
+    assert via_prometheus.tokens == direct.tokens == {"chat-0": 0, "chat-1": 42}
 
 
 def test_a_pod_prometheus_does_not_know_counts_as_silent(engines, prometheus):

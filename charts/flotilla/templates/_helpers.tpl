@@ -40,3 +40,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- with .Values.webhook.url }}{{ $host := (urlParse .).host | splitList ":" | first }}{{ if regexMatch "^[0-9.]+$" $host }}{{ $ips = append $ips $host }}{{ end }}{{ end -}}
 {{- toJson $ips -}}
 {{- end }}
+
+{{- define "flotilla.gatewayName" -}}flotilla-gateway{{- end }}
+
+{{- define "flotilla.gatewayImage" -}}
+{{ .Values.gateway.image.repository }}:{{ .Values.gateway.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "flotilla.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: flotilla-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* The Secret with the installation's master token (key `token`): the operator derives each namespace's
+engine token from it, the gateway the same token to present. */}}
+{{- define "flotilla.engineTokenSecret" -}}
+{{- .Values.engineToken.existingSecret | default "flotilla-engine-token-master" -}}
+{{- end }}

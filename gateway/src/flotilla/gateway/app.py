@@ -231,11 +231,13 @@ class Gateway:
                            headers={"Retry-After": "10"})  # fmt: skip
 
     async def signal_demand(self, service: ServiceView) -> None:
-        """While requests wait for a service at zero, tell the operator (every DEMAND_INTERVAL seconds)."""
+        """While requests wait for a service, tell the operator (every DEMAND_INTERVAL seconds)."""
         while True:
             current = self.fleet.index.get(service.key) or service
             last = self.demand_sent.get(service.key, -DEMAND_INTERVAL)
-            if current.desired_replicas == 0 and time.monotonic() - last >= DEMAND_INTERVAL:
+            # Also while a replica comes up: a model that loads for longer than the idle period must
+            # not be scaled back to zero under the requests waiting for it.
+            if time.monotonic() - last >= DEMAND_INTERVAL:
                 self.demand_sent[service.key] = time.monotonic()
                 await self.fleet.demand(current, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
             await asyncio.sleep(1.0)

@@ -1,5 +1,6 @@
 """`flotilla gateway run`: the OpenAI front door for every InferenceService; `flotilla gateway key`: a new
-API key for a tenant, stored hashed in a Secret the gateway reads.
+API key for a tenant, stored hashed in a Secret the gateway reads; `flotilla gateway bench routing|overhead`:
+the gateway measured against real engines (flotilla.gateway.bench).
 
 Import-light: the command functions import the server."""
 
@@ -35,12 +36,22 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--max-held", type=int, default=None, help="requests held per service before 429")
     run.set_defaults(func=_run)
 
+    chart = commands.add_parser("chart", help="regenerate the gateway's files in charts/flotilla/files/ (RBAC)")
+    chart.add_argument("--out", type=Path, default=Path("charts") / "flotilla", help="the chart folder")
+    chart.add_argument("--check", action="store_true", help="fail if the files differ instead of writing")
+    chart.set_defaults(func=_chart)
+
     key = commands.add_parser("key", help="create an API key for a tenant (printed once, stored hashed)")
     key.add_argument("tenant")
     key.add_argument("--name", default=None, help="the key's name in the Secret (default: random)")
     key.add_argument("--namespace", default="flotilla-system", help="the gateway's namespace")
     key.add_argument("--secret", default=None, help="the Secret to add it to (default: <tenant>-api-keys)")
     key.set_defaults(func=_key)
+
+    bench = commands.add_parser("bench", help="benchmarks: routing policies, the gateway's own latency")
+    from flotilla.gateway.bench.cli import add_bench_commands  # flags only (argparse): the runners load late
+
+    add_bench_commands(bench.add_subparsers(dest="bench", metavar="BENCH", required=True))
 
 
 def _settings(args: argparse.Namespace):
@@ -112,4 +123,18 @@ def _key(args: argparse.Namespace) -> int:
     print("apply the Secret below with `kubectl apply --server-side -f -` (it adds the key; other keys in the "
           "Secret stay):", file=sys.stderr)  # fmt: skip
     print(json.dumps(manifest, indent=2))
+    return 0
+
+
+def _chart(args: argparse.Namespace) -> int:
+    from flotilla.gateway.rbac import files, write
+
+    if args.check:
+        stale = [name for name, text in files().items()
+                 if not (args.out / "files" / name).exists() or (args.out / "files" / name).read_text() != text]  # fmt: skip
+        for name in stale:
+            print(f"out of date: {args.out / 'files' / name} (run `flotilla gateway chart`)", file=sys.stderr)
+        return 1 if stale else 0
+    for path in write(args.out):
+        print(path)
     return 0

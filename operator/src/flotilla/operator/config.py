@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flotilla.contract import ENGINE_IMAGE
 
@@ -27,3 +27,7 @@ class OperatorConfig:
     # The autoscaler's metrics source: unset, it scrapes each engine pod's /metrics; set, it asks this
     # Prometheus server (which must label engine series with namespace and pod) with PromQL.
     prometheus_url: str | None = None
+    # The installation's master token (--engine-token-file): when set, each namespace with engines gets the
+    # Secret flotilla.contract.ENGINE_TOKEN_SECRET holding engine_token(master, namespace), and engines get
+    # ENV_INTERNAL_TOKEN from it. Unset: no Secret, no variable. Kept out of repr (and so out of logs).
+    engine_token_master: str | None = field(default=None, repr=False)

@@ -114,6 +114,13 @@ class Autoscaling(_Model):
         default=60, ge=1, le=3600, description="the TTFT p95 covers requests of this last window"
     )
     tolerance: float = Field(default=0.1, ge=0, le=1, description="ratios within 1 +/- this change nothing")
+    scale_to_zero_after_seconds: int = Field(
+        default=300,
+        ge=30,
+        le=86_400,
+        description="with minReplicas 0: scale to zero after this long idle (no request running or waiting, "
+        "no token served, no demand annotation as recent); a demand annotation older than this is stale",
+    )
 
 
 class InferenceServiceSpec(_Model):
@@ -180,6 +187,16 @@ class LabelSelector(_Model):
     match_labels: dict[str, str] = Field(default_factory=dict)
 
 
+# spec.rateLimits: what the gateway lets the tenant's API keys send; the operator only stores them.
+class RateLimits(_Model):
+    requests_per_second: float | None = Field(
+        default=None, gt=0, le=1_000_000, description="requests per second, over all the tenant's keys"
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, le=10_000_000_000, description="prompt and generated tokens per minute"
+    )
+
+
 class TenantSpec(_Model):
     namespaces: list[str] = Field(default_factory=list)
     namespace_selector: LabelSelector | None = None
@@ -203,6 +220,9 @@ class TenantSpec(_Model):
         gt=0,
         le=1000,
         description="share of a shared engine's service under the fair policy, relative to other tenants",
+    )
+    rate_limits: RateLimits | None = Field(
+        default=None, description="enforced by the gateway, per tenant; unset: no limit"
     )
 
 

@@ -9,15 +9,19 @@ of keeping replicas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from flotilla.contract import REASON_QUOTA_LIMITED
 from flotilla.operator.api.v1alpha1 import Autoscaling, AutoscalingMetrics, AutoscalingStatus, Condition
 from flotilla.operator.autoscaling.rule import Inputs, Outcome, PodSample, Policy, Recommendation, decide
+from flotilla.operator.autoscaling.scale_to_zero import IdleClock, activity
 from flotilla.operator.autoscaling.signals import Signals
 from flotilla.operator.desired.status import PodView, merge_transition_times
 from flotilla.operator.tenancy.quota import QuotaDecision
 
-SCALING_ACTIVE, SCALING_LIMITED, QUOTA_LIMITED = "ScalingActive", "ScalingLimited", "QuotaLimited"
+# status.autoscaling's condition types; the quota's is named like the reason the InferenceService's own
+# Degraded condition gives (flotilla.contract.REASON_QUOTA_LIMITED).
+SCALING_ACTIVE, SCALING_LIMITED, QUOTA_LIMITED = "ScalingActive", "ScalingLimited", REASON_QUOTA_LIMITED
 
 
 def policy_for(spec: Autoscaling) -> Policy:
@@ -29,6 +33,7 @@ def policy_for(spec: Autoscaling) -> Policy:
         tolerance=spec.tolerance,
         scale_up_window=spec.scale_up_window_seconds,
         scale_down_window=spec.scale_down_window_seconds,
+        scale_to_zero_after=spec.scale_to_zero_after_seconds if spec.min_replicas == 0 else None,
     )
 
 
@@ -46,9 +51,11 @@ class Step:
 
 @dataclass
 class ServiceAutoscaler:
-    """The recommendation history between decisions (the metrics source keeps its own state)."""
+    """The recommendation history and the idle clock between decisions (the metrics source keeps its own
+    state)."""
 
     history: tuple[Recommendation, ...] = ()
+    idle: IdleClock = field(default_factory=IdleClock)
 
     def step(
         self,
@@ -59,12 +66,19 @@ class ServiceAutoscaler:
         pods: list[PodView],
         signals: Signals,
         quota: QuotaDecision | None,
+        demand: bool = False,
     ) -> Step:
-        """`quota` is the tenant's answer to "may this service run maxReplicas?" (None: no tenant)."""
+        """`quota` is the tenant's answer to "may this service run maxReplicas?" (at zero replicas: "may it
+        run one?"; None: no tenant). `demand`: a fresh demand annotation (scale_to_zero.fresh_demand)."""
         live = [p for p in pods if not p.deleting]
         samples = [PodSample(p.name, p.ready, signals.waiting.get(p.name)) for p in live]
         ready = [s for s in samples if s.ready]
         answered = [s.waiting for s in ready if s.waiting is not None]
+        self.idle.forget({p.name for p in live})
+        seen = activity(
+            [s.name for s in ready], signals.waiting, signals.running, signals.tokens, bool(signals.errors)
+        )
+        idle_for = self.idle.observe(now, current, seen)
         inputs = Inputs(
             now=now,
             current=current,
@@ -75,6 +89,8 @@ class ServiceAutoscaler:
             history=self.history,
             quota_max=None if quota is None or quota.admitted else quota.replicas,
             quota_message="" if quota is None else quota.message,
+            idle_for=idle_for,
+            demand=demand,
         )
         outcome = decide(inputs)
         self.history = outcome.history
@@ -101,7 +117,7 @@ def autoscaling_status(step: Step, *, previous: dict | None, now: str, generatio
     active = _cond(
         SCALING_ACTIVE,
         outcome.active,
-        "ValidMetrics" if outcome.active else "NoMetrics",
+        "ValidMetrics" if outcome.active else outcome.reason or "NoMetrics",
         "the replica count is computed from engine metrics" if outcome.active else outcome.message,
     )
     bounded = outcome.limited_by in ("MinReplicas", "MaxReplicas", "ScaleUpLimit")
@@ -114,7 +130,7 @@ def autoscaling_status(step: Step, *, previous: dict | None, now: str, generatio
     quota = _cond(
         QUOTA_LIMITED,
         outcome.quota_limited,
-        "QuotaLimited" if outcome.quota_limited else "WithinQuota",
+        REASON_QUOTA_LIMITED if outcome.quota_limited else "WithinQuota",
         outcome.message if outcome.quota_limited else "the tenant's quota does not limit scaling",
     )
     conditions = merge_transition_times(

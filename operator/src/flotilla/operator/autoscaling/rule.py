@@ -8,6 +8,10 @@ It follows the Kubernetes HPA's algorithm (replica_calculator.go, horizontal.go)
 - scale-up is limited per decision to max(factor x current, current + pods);
 - then minReplicas/maxReplicas, then the tenant's quota (which never removes running replicas).
 
+This rule never recommends zero replicas: with minReplicas 0 it keeps at least one. Only the scale-to-zero
+rule (scale_to_zero.py) goes to zero, after an idle period, and only a demand comes back from zero: a
+service at zero has no pods, so no metric could ever ask for one.
+
 Missing metrics and pods that are not ready follow HPA's conservative rules: a pod that did not answer
 counts as exactly on target when the others say "scale down" and as idle when they say "scale up"; a
 pod that is not ready counts as idle on scale-up and is ignored otherwise; with no metrics at all the
@@ -18,6 +22,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from flotilla.contract import REASON_QUOTA_LIMITED
+from flotilla.operator.autoscaling.scale_to_zero import AT_ZERO, DEMAND, IDLE
 
 QUEUE, TTFT = "queueDepth", "ttftP95"
 
@@ -42,6 +49,7 @@ class Policy:
     scale_down_window: float = 300.0
     scale_up_max_factor: float = 2.0  # per decision: at most double ...
     scale_up_max_pods: int = 4  # ... or add 4, whichever is more
+    scale_to_zero_after: float | None = None  # seconds idle before zero; None unless minReplicas is 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class Inputs:
     history: tuple[Recommendation, ...] = ()
     quota_max: int | None = None  # most replicas the tenant's quota admits; None when no quota applies
     quota_message: str = ""
+    idle_for: float | None = None  # seconds the service has been idle; None when this round cannot tell
+    demand: bool = False  # a fresh demand annotation (scale_to_zero.fresh_demand)
 
 
 @dataclass(frozen=True)
@@ -146,7 +156,8 @@ def _prune(history: tuple[Recommendation, ...], now: float, policy: Policy) -> t
 
 
 def _clamp(inputs: Inputs, wanted: int) -> tuple[int, str | None, bool]:
-    """Step limit, bounds, then quota. Returns (replicas, what limited them, whether quota did)."""
+    """Step limit, bounds, then quota. Returns (replicas, what limited them, whether quota did). A running
+    service keeps at least one replica whatever minReplicas says: only the idle rule goes to zero."""
     policy, current = inputs.policy, inputs.current
     desired, limited_by = wanted, None
     step_limit = max(math.ceil(current * policy.scale_up_max_factor), current + policy.scale_up_max_pods)
@@ -156,10 +167,12 @@ def _clamp(inputs: Inputs, wanted: int) -> tuple[int, str | None, bool]:
         desired, limited_by = policy.max_replicas, "MaxReplicas"
     if desired < policy.min_replicas:
         desired, limited_by = policy.min_replicas, "MinReplicas"
+    if desired < 1 <= current:
+        desired = 1
     if inputs.quota_max is not None:
         allowed = max(current, inputs.quota_max)  # quota refuses growth; it never removes what runs
         if desired > allowed:
-            return allowed, "QuotaLimited", True
+            return allowed, REASON_QUOTA_LIMITED, True
     return desired, limited_by, False
 
 
@@ -178,7 +191,54 @@ def _describe(inputs: Inputs, proposals: dict[str, int]) -> str:
     return "; ".join(parts)
 
 
+def _zero(inputs: Inputs) -> Outcome | None:
+    """The scale-to-zero rule, for a service whose minReplicas is 0: from zero only on demand, to zero only
+    after the idle period. None leaves the decision to the metrics rule."""
+    policy, current = inputs.policy, inputs.current
+    after = policy.scale_to_zero_after
+    if after is None or policy.min_replicas > 0:
+        return None
+    history = _prune(inputs.history, inputs.now, policy)
+    if current == 0 and inputs.demand:
+        # One replica, even when the tenant's quota cannot admit it: the reconciler holds it back then and
+        # says why in the InferenceService's QuotaAdmitted and Degraded conditions, which the gateway relays.
+        refused = inputs.quota_max is not None and inputs.quota_max < 1
+        message = "a request is waiting (demand annotation); 0 -> 1 replicas"
+        if refused:
+            message += f"; the tenant's quota does not admit it ({inputs.quota_message})"
+        return Outcome(
+            desired=1,
+            recommendation=None,
+            reason=DEMAND,
+            message=message,
+            limited_by=REASON_QUOTA_LIMITED if refused else None,
+            quota_limited=refused,
+            history=history,
+        )
+    if current == 0:
+        return Outcome(
+            desired=0,
+            recommendation=None,
+            reason=AT_ZERO,
+            message="scaled to zero; a demand (a request waiting at the gateway) brings one replica",
+            history=history,
+        )
+    if inputs.idle_for is not None and inputs.idle_for >= after and not inputs.demand:
+        return Outcome(
+            desired=0,
+            recommendation=None,
+            reason=IDLE,
+            message=f"idle for {inputs.idle_for:.0f}s (no request running or waiting, no token served, "
+            f"no demand; scaleToZeroAfterSeconds {after:g}); {current} -> 0 replicas",
+            history=(),
+        )
+    return None
+
+
 def decide(inputs: Inputs) -> Outcome:
+    zero = _zero(inputs)
+    if zero is not None:
+        return zero
     policy, current = inputs.policy, inputs.current
     ready = sum(1 for p in inputs.pods if p.ready)
     proposals: dict[str, int] = {}

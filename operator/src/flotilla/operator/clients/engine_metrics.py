@@ -130,6 +130,12 @@ class PodScraper:
             ttft_p95=self.window.quantile(0.95),
             kv_usage=max(kv) if kv else None,
             errors={n: str(s) for n, s in scraped.items() if isinstance(s, ScrapeError)},
+            running={n: s.running for n, s in ok.items()},
+            tokens={
+                n: (s.prompt_tokens or 0.0) + (s.generation_tokens or 0.0)
+                for n, s in ok.items()
+                if s.prompt_tokens is not None or s.generation_tokens is not None
+            },
         )
 
     async def collect(

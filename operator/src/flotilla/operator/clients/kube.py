@@ -49,6 +49,7 @@ class Kube:
             "Deployment": self.apps.patch_namespaced_deployment,
             "Service": self.core.patch_namespaced_service,
             "PodDisruptionBudget": self.policy.patch_namespaced_pod_disruption_budget,
+            "Secret": self.core.patch_namespaced_secret,
         }[kind]
         API_CALLS.labels(verb="apply", resource=kind).inc()
         response = api(

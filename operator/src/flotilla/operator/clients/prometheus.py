@@ -13,14 +13,18 @@ import asyncio
 import math
 
 from flotilla.contract import (
+    GENERATION_TOKENS,
     KV_CACHE_USAGE_RATIO,
     LABEL_SERVICE,
+    NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS,
     TIME_TO_FIRST_TOKEN,
+    counter_total,
 )
 from flotilla.operator.autoscaling.signals import Signals
 
-WAITING, TTFT_P95, KV = "waiting", "ttft_p95", "kv"
+WAITING, TTFT_P95, KV, RUNNING, TOKENS = "waiting", "ttft_p95", "kv", "running", "tokens"
 
 
 def queries(namespace: str, service: str, window_seconds: int) -> dict[str, str]:
@@ -32,6 +36,12 @@ def queries(namespace: str, service: str, window_seconds: int) -> dict[str, str]
             f"(rate({TIME_TO_FIRST_TOKEN}_bucket{{{sel}}}[{window_seconds}s])))"
         ),
         KV: f"max({KV_CACHE_USAGE_RATIO}{{{sel}}})",
+        RUNNING: f"sum by (pod) ({NUM_REQUESTS_RUNNING}{{{sel}}})",
+        # Lifetime prompt + generation tokens per pod, for the idle rule: unchanged means nothing served.
+        TOKENS: (
+            f'sum by (pod) ({{__name__=~"{counter_total(PROMPT_TOKENS)}|{counter_total(GENERATION_TOKENS)}",'
+            f"{sel}}})"
+        ),
     }
 
 
@@ -59,8 +69,17 @@ def _single(pairs: list[tuple[dict, float]]) -> float | None:
 def signals_from(answers: dict[str, list[tuple[dict, float]]], ready_pods: set[str]) -> Signals:
     waiting = {labels["pod"]: value for labels, value in answers[WAITING] if labels.get("pod") in ready_pods}
     missing = {pod: f"no {NUM_REQUESTS_WAITING} series in Prometheus" for pod in ready_pods - set(waiting)}
+
+    def per_pod(key: str) -> dict[str, float]:
+        return {labels["pod"]: v for labels, v in answers.get(key, []) if labels.get("pod") in ready_pods}
+
     return Signals(
-        waiting=waiting, ttft_p95=_single(answers[TTFT_P95]), kv_usage=_single(answers[KV]), errors=missing
+        waiting=waiting,
+        ttft_p95=_single(answers[TTFT_P95]),
+        kv_usage=_single(answers[KV]),
+        errors=missing,
+        running=per_pod(RUNNING),
+        tokens=per_pod(TOKENS),
     )
 
 

@@ -67,6 +67,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--prometheus-url", help="autoscaler reads engine metrics from this Prometheus (default: scrape pods)"
     )
     run.add_argument(
+        "--engine-token-file",
+        type=Path,
+        help="a file with the installation's master token (the gateway's): each namespace with engines gets "
+        "the Secret of its derived internal token, and engines get it in their environment (default: none)",
+    )
+    run.add_argument(
         "--no-model-path-check",
         action="store_true",
         help="do not check file:// model paths on this machine (a real cluster's nodes have their own disks)",
@@ -160,6 +166,20 @@ def _check(expected: dict[Path, str]) -> int:
     return 1 if stale else 0
 
 
+def read_engine_token(path: Path | None) -> str | None:
+    """The master token in --engine-token-file (surrounding whitespace dropped: a mounted Secret's file or
+    an `echo`ed one); None without the flag. Read once: a new master takes an operator restart."""
+    if path is None:
+        return None
+    try:
+        master = path.read_text().strip()
+    except OSError as exc:
+        raise SystemExit(f"--engine-token-file {path}: {exc.strerror or exc}") from exc
+    if not master:
+        raise SystemExit(f"--engine-token-file {path}: the file is empty")
+    return master
+
+
 def _run(args: argparse.Namespace) -> int:
     from flotilla.operator.config import OperatorConfig
     from flotilla.operator.controllers.runner import run_operator
@@ -171,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         hf_cache_dir=args.hf_cache_dir,
         prometheus_url=args.prometheus_url,
         check_local_model_paths=not args.no_model_path_check,
+        engine_token_master=read_engine_token(args.engine_token_file),
     )
     return run_operator(
         config,

@@ -6,6 +6,12 @@ runs the pure rule (autoscaling/rule.py via autoscaler.ServiceAutoscaler), and c
 a PATCH of the InferenceService's scale subresource (the reconciler then resizes the Deployment, so quota
 and status stay in one place), status.autoscaling, an Event for every scale, and the gauges.
 
+Scale from zero: the gateway stamps the demand annotation (flotilla.contract.ANNOTATION_DEMAND) on a
+service it holds a request for. `demand_arrived` below reacts to that field's change by waking the service's
+daemon, which decides at once instead of at the end of its period: a fresh demand at zero replicas scales
+to one through the scale subresource like any scale-up, so the reconciler's quota check admits it or holds
+it back with the reason in the InferenceService's QuotaAdmitted and Degraded conditions.
+
 kopf puts its finalizer on every object a daemon runs for (so it can stop the daemon first): deleting an
 autoscaled service waits for a running operator. kopf also stops daemons while peering pauses this
 operator, so a standby replica never scales.
@@ -20,6 +26,7 @@ from datetime import UTC, datetime
 
 import kopf
 
+from flotilla.contract import ANNOTATION_DEMAND
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, VERSION, Autoscaling
 from flotilla.operator.autoscaling import metrics as autoscale_metrics
 from flotilla.operator.autoscaling.autoscaler import (
@@ -28,6 +35,7 @@ from flotilla.operator.autoscaling.autoscaler import (
     autoscaling_status,
     scraped_pods,
 )
+from flotilla.operator.autoscaling.scale_to_zero import demand_time, fresh_demand
 from flotilla.operator.clients import prometheus as prometheus_source
 from flotilla.operator.clients.engine_metrics import PodScraper
 from flotilla.operator.controllers.indexes import ISVC, index_one, labels_by_namespace, tenant_specs
@@ -122,9 +130,23 @@ class _Daemon:
         else:
             live = {p.name for p in pods if not p.deleting}
             signals = await self.scraper.collect(client, now, window, targets, live)
-        quota = _quota(self.rt, self.key, spec, indexes, autoscaling.max_replicas, current)
+        # At zero the question is one replica (a demand's); otherwise how far the service may grow.
+        wanted = 1 if current == 0 else autoscaling.max_replicas
+        quota = _quota(self.rt, self.key, spec, indexes, wanted, current)
+        annotations = obj.get("metadata", {}).get("annotations") or {}
+        demand = fresh_demand(
+            demand_time(annotations.get(ANNOTATION_DEMAND)),
+            time.time(),
+            autoscaling.scale_to_zero_after_seconds,
+        )
         step = self.scaler.step(
-            now=now, spec=autoscaling, current=current, pods=pods, signals=signals, quota=quota
+            now=now,
+            spec=autoscaling,
+            current=current,
+            pods=pods,
+            signals=signals,
+            quota=quota,
+            demand=demand,
         )
         outcome = step.outcome
         if step.errors:
@@ -146,7 +168,7 @@ class _Daemon:
             for c in (self.written or {}).get("conditions") or []
         )
         if outcome.quota_limited and not was_quota_limited:
-            kopf.event(obj, type="Warning", reason="QuotaLimited", message=outcome.message[:1000])
+            kopf.event(obj, type="Warning", reason=QUOTA_LIMITED, message=outcome.message[:1000])
 
         status = autoscaling_status(
             step,
@@ -169,14 +191,31 @@ class _Daemon:
         return autoscaling.period_seconds
 
 
+async def _pause(stopped: kopf.DaemonStopped, wake: asyncio.Event, seconds: float) -> None:
+    """Until the next decision: `seconds`, or less when the daemon is stopped or woken."""
+
+    async def until_stopped() -> None:
+        await stopped.wait(seconds)
+
+    waits = {asyncio.ensure_future(until_stopped()), asyncio.ensure_future(wake.wait())}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
+    wake.clear()
+
+
 @kopf.daemon(*ISVC, when=_autoscaled, cancellation_timeout=10)
 async def autoscale(
     stopped: kopf.DaemonStopped, namespace: str, name: str, memo: kopf.Memo, **kwargs
 ) -> None:
     import httpx
 
+    rt: Runtime = memo.runtime
     indexes = {k: kwargs[k] for k in ("services", "pods", "tenants", "namespace_labels")}
-    daemon = _Daemon(memo.runtime, (namespace, name))
+    daemon = _Daemon(rt, (namespace, name))
+    wake = rt.autoscaler_wake.setdefault((namespace, name), asyncio.Event())
     try:
         # trust_env=False: pod traffic never goes through a proxy from the environment.
         async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS, trust_env=False) as client:
@@ -186,6 +225,20 @@ async def autoscale(
                 except Exception as exc:  # one failed round must not end autoscaling for good
                     log.warning("%s/%s: autoscaling round failed: %s", namespace, name, exc, exc_info=exc)
                     wait = 5
-                await stopped.wait(wait)
+                await _pause(stopped, wake, wait)
     finally:
+        if rt.autoscaler_wake.get((namespace, name)) is wake:
+            del rt.autoscaler_wake[(namespace, name)]
         autoscale_metrics.forget(namespace, name)
+
+
+@kopf.on.field(*ISVC, id="demand", field=("metadata", "annotations", ANNOTATION_DEMAND), when=_autoscaled)
+async def demand_arrived(new, namespace: str, name: str, memo: kopf.Memo, **_) -> None:
+    """The gateway holds a request for this service: its autoscaler decides now, not at its next period.
+    kopf has updated the index from the same event before any handler runs, so the daemon reads the new
+    stamp. A service without a running daemon (none yet, or a standby operator) decides when it starts."""
+    if not new:
+        return
+    wake = memo.runtime.autoscaler_wake.get((namespace, name))
+    if wake is not None:
+        wake.set()

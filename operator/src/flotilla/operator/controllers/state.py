@@ -6,6 +6,7 @@ these objects are shared by all; handlers change them, never rebind them.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ class Runtime:
     gpu_types: frozenset[str] = frozenset()
     namespace_labels: dict[str, dict] = field(default_factory=dict)  # as last seen, to spot label changes
     tenant_weights: dict[str, float] = field(default_factory=dict)  # schedulingWeight as last seen
+    # Each autoscaled service's daemon waits on its event between decisions; a demand sets it (autoscaling.py).
+    autoscaler_wake: dict[Key, asyncio.Event] = field(default_factory=dict)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from flotilla.operator.desired.workload import (
     Owner,
     children,
     service_url,
+    shared_objects,
     target_replicas,
 )
 from flotilla.operator.naming import NO_TENANT, selector_string
@@ -58,7 +59,9 @@ class Event:
 
 @dataclass
 class Plan:
-    children: list[dict]  # empty when nothing may be created (invalid spec)
+    # Empty when nothing may be created (invalid spec); else the namespace's shared objects (the engine
+    # token's Secret, when configured) and the service's own children, in the order to apply them.
+    children: list[dict]
     status: dict
     events: list[Event]
     held: Held | None  # what this service holds once the plan is carried out
@@ -102,7 +105,11 @@ def plan(obj: dict, world: World) -> Plan:
             replicas=desired,
             tenant_weights=scheduling_weights(world.tenants) if spec.engine.scheduling_policy == FAIR else (),
         )
-        desired_children = children(owner, spec, decision, world.config)
+        # The namespace's shared objects first: the engine pods read the token Secret when they start.
+        desired_children = [
+            *shared_objects(owner.namespace, world.config),
+            *children(owner, spec, decision, world.config),
+        ]
         key = (owner.namespace, owner.name)
         held = Held(key, tenant or NO_TENANT, spec.resources.gpu_type, desired * gpus)
     elif spec is not None:

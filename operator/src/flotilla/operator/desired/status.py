@@ -8,18 +8,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from flotilla.contract import engine_base_url
+from flotilla.contract import (
+    CONDITION_DEGRADED,
+    CONDITION_QUOTA_ADMITTED,
+    REASON_QUOTA_LIMITED,
+    engine_base_url,
+)
 from flotilla.operator.api.v1alpha1 import Condition, InferenceServiceStatus
 from flotilla.operator.desired.validation import Problem, describe
 from flotilla.operator.metrics import ServiceFigures
 from flotilla.operator.tenancy.quota import QuotaDecision
 
+# QuotaAdmitted and Degraded are the contract's: the gateway reads them (a quota refusal at zero replicas).
 READY, VALID, QUOTA_ADMITTED, PROGRESSING, DEGRADED = (
     "Ready",
     "Valid",
-    "QuotaAdmitted",
+    CONDITION_QUOTA_ADMITTED,
     "Progressing",
-    "Degraded",
+    CONDITION_DEGRADED,
 )
 CONDITION_TYPES = (READY, VALID, QUOTA_ADMITTED, PROGRESSING, DEGRADED)
 
@@ -181,7 +187,7 @@ def conditions_for(o: Observed) -> list[Condition]:
         shown = "; ".join(troubles[:3]) + (f"; and {len(troubles) - 3} more" if len(troubles) > 3 else "")
         degraded_c = _cond(DEGRADED, True, "PodsUnhealthy", shown)
     elif o.quota is not None and o.desired_replicas < o.requested_replicas:
-        degraded_c = _cond(DEGRADED, True, "QuotaLimited", o.quota.message)
+        degraded_c = _cond(DEGRADED, True, REASON_QUOTA_LIMITED, o.quota.message)
     else:
         degraded_c = _cond(DEGRADED, False, "Healthy", "no unhealthy pods")
     return [ready_c, valid_c, quota_c, progressing_c, degraded_c]

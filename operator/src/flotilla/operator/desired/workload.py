@@ -5,6 +5,7 @@ with server-side apply, so every field written here is a field the operator owns
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import dataclass
 
@@ -13,6 +14,9 @@ from flotilla.contract import (
     ANNOTATION_PORT,
     ANNOTATION_SCRAPE,
     ENGINE_PORT,
+    ENGINE_TOKEN_SECRET,
+    ENGINE_TOKEN_SECRET_KEY,
+    ENV_INTERNAL_TOKEN,
     ENV_NAMESPACE,
     ENV_POD_IP,
     ENV_SERVICE,
@@ -23,6 +27,7 @@ from flotilla.contract import (
     EngineArgs,
     engine_base_url,
     engine_serve_argv,
+    engine_token,
 )
 from flotilla.operator.api.v1alpha1 import (
     API_VERSION,
@@ -32,7 +37,14 @@ from flotilla.operator.api.v1alpha1 import (
 )
 from flotilla.operator.config import ENGINE_SHUTDOWN_DELAY, OperatorConfig
 from flotilla.operator.desired.model_source import model_mount, parse_model_uri
-from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, child_labels, selector_labels
+from flotilla.operator.naming import (
+    GPU_RESOURCE,
+    GPU_TYPE_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    child_labels,
+    selector_labels,
+)
 
 
 @dataclass(frozen=True)
@@ -163,8 +175,8 @@ def _probe(path: str, period: int, failures: int) -> dict:
     }
 
 
-def _env(owner: Owner, tenant: str) -> list[dict]:
-    return [
+def _env(owner: Owner, tenant: str, config: OperatorConfig) -> list[dict]:
+    env = [
         {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": ENV_TENANT, "value": tenant},
         {"name": ENV_SERVICE, "value": owner.name},
@@ -172,6 +184,12 @@ def _env(owner: Owner, tenant: str) -> list[dict]:
         # A writable HOME under the read-only root filesystem.
         {"name": "HOME", "value": "/tmp"},
     ]
+    if config.engine_token_master is not None:
+        # The namespace's internal token (engine_token_secret), which lets the gateway name a request's
+        # tenant. From the Secret, so that it appears in no pod spec.
+        secret = {"name": ENGINE_TOKEN_SECRET, "key": ENGINE_TOKEN_SECRET_KEY}
+        env.append({"name": ENV_INTERNAL_TOKEN, "valueFrom": {"secretKeyRef": secret}})
+    return env
 
 
 def pod_template(
@@ -192,7 +210,7 @@ def pod_template(
             decision.tenant_weights,
         ),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _env(owner, decision.tenant),
+        "env": _env(owner, decision.tenant, config),
         "resources": _resources(spec),
         "readinessProbe": _probe(HEALTH_PATH, period=5, failures=3),
         "livenessProbe": _probe(HEALTH_PATH, period=10, failures=3),
@@ -302,6 +320,34 @@ def children(
         service(owner, decision),
         pod_disruption_budget(owner, decision),
     ]
+
+
+def engine_token_secret(namespace: str, master: str) -> dict:
+    """The Secret with the internal token of the engines in `namespace`, derived from the installation's
+    master token (--engine-token-file). Shared by every InferenceService of the namespace, so owned by none:
+    an owner reference to one service would delete it under the others. It outlives the last service of
+    its namespace; without engines there it grants nothing."""
+    token = engine_token(master, namespace)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": ENGINE_TOKEN_SECRET,
+            "namespace": namespace,
+            "labels": {MANAGED_BY_LABEL: MANAGED_BY},
+        },
+        "type": "Opaque",
+        # data, not stringData: server-side apply tracks data (stringData is write-only).
+        "data": {ENGINE_TOKEN_SECRET_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def shared_objects(namespace: str, config: OperatorConfig) -> list[dict]:
+    """What the services of a namespace share, applied with each one's children: the engine token's Secret
+    when the operator has a master token, else nothing."""
+    if config.engine_token_master is None:
+        return []
+    return [engine_token_secret(namespace, config.engine_token_master)]
 
 
 def service_url(owner: Owner) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import yaml
 
+from flotilla.contract import ENGINE_TOKEN_SECRET
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT
 from flotilla.operator.tenancy import rbac as tenant_rbac
 
@@ -55,6 +56,19 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
     ),
 ]
 
+# Rules limited to objects of one name: (apiGroup, resources, resourceNames, verbs, why). Server-side apply
+# of a new object is authorized as a create of that name, so `create` can be limited by name here too.
+NAMED_RULES: list[tuple[str, list[str], list[str], list[str], str]] = [
+    (
+        "",
+        ["secrets"],
+        [ENGINE_TOKEN_SECRET],
+        ["create", "patch"],
+        "the engines' internal token in each namespace with InferenceServices (--engine-token-file); "
+        "written by server-side apply, never read",
+    ),
+]
+
 
 def cluster_rules() -> list[dict]:
     """The operator's ClusterRole rules: deploy/operator-rbac.yaml and the Helm chart both carry these."""
@@ -62,7 +76,11 @@ def cluster_rules() -> list[dict]:
         {"apiGroups": [group], "resources": resources, "verbs": verbs}
         for group, resources, verbs, _why in RULES + tenant_rbac.OPERATOR_RULES
     ]
-    return [*rules, tenant_rbac.BIND_RULE]
+    named = [
+        {"apiGroups": [group], "resources": resources, "resourceNames": names, "verbs": verbs}
+        for group, resources, names, verbs, _why in NAMED_RULES
+    ]
+    return [*rules, *named, tenant_rbac.BIND_RULE]
 
 
 def manifests(namespace: str) -> list[dict]:
@@ -119,6 +137,9 @@ def render(namespace: str) -> str:
     notes = "".join(
         f"#   {group or 'core'}/{','.join(res)}: {','.join(verbs)} -- {why}\n"
         for group, res, verbs, why in RULES + tenant_rbac.OPERATOR_RULES
+    ) + "".join(
+        f"#   {group or 'core'}/{','.join(res)} named {','.join(names)}: {','.join(verbs)} -- {why}\n"
+        for group, res, names, verbs, why in NAMED_RULES
     )
     return (
         header
