@@ -13,11 +13,13 @@ import threading
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.helm import helm
+from flotilla.gateway.cmd import key_secret
 from flotilla.operator.cmd.local import complete, inference_service, tiny_model
 from flotilla.operator.cmd.local_chart import (
     CHART_DIR,
@@ -50,10 +52,11 @@ def _isvc(name: str, replicas: int = 1) -> str:
     return yaml.safe_dump(inference_service(name, MODEL_DIR, replicas=replicas))
 
 
-def _values(node_port: int, **overrides) -> dict:
+def _values(node_port: int, gateway_port: int | None = None, **overrides) -> dict:
     return local_values(
         node_port,
         (MODEL_DIR,),
+        gateway_port,
         operator__extraArgs=[f"--metering-interval={METERING_INTERVAL}"],
         tests__namespace=NS,
         tests__modelUri=f"file://{MODEL_DIR}",
@@ -85,18 +88,20 @@ def _refused_over_quota(cluster: ClusterHandle) -> bool:
 
 
 class Release:
-    def __init__(self, cluster: ClusterHandle, node_port: int, install_seconds: float):
+    def __init__(self, cluster: ClusterHandle, node_port: int, install_seconds: float, gateway_port: int):
         self.cluster, self.node_port, self.install_seconds = cluster, node_port, install_seconds
+        self.gateway_port = gateway_port
 
 
 @pytest.fixture(scope="module")
 def release(cluster: ClusterHandle):
     tiny_model(MODEL_DIR)
     node_port = free_node_port()
+    gateway_port = free_node_port()
     try:
-        seconds = install(cluster, _values(node_port), chart=ROOT / CHART_DIR)
+        seconds = install(cluster, _values(node_port, gateway_port), chart=ROOT / CHART_DIR)
         print(f"helm install -> operator Ready: {seconds:.1f}s")
-        yield Release(cluster, node_port, seconds)
+        yield Release(cluster, node_port, seconds, gateway_port)
     finally:
         helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig, check=False)
         cluster.kubectl("delete", "validatingwebhookconfiguration", WEBHOOK, "--ignore-not-found")
@@ -142,6 +147,28 @@ def test_the_webhook_refuses_over_quota_and_a_service_serves(release: Release, c
 
     url = wait_for(endpoint, 300, "the InferenceService to be Ready")
     assert complete(url)["choices"][0]["text"] is not None
+
+
+def test_the_charts_gateway_serves_the_tenant_with_its_key(release: Release, cluster: ClusterHandle):
+    """The gateway pod, under its own ServiceAccount, reads the key Secret and the service, and the engine
+    accepts the tenant it names (the operator and the gateway share the chart's master token)."""
+    key = f"fl-{RUN}-key"
+    cluster.apply(yaml.safe_dump(key_secret(TENANT, "e2e", key, NAMESPACE, f"{TENANT}-keys")))
+    gateway = f"http://127.0.0.1:{release.gateway_port}/v1/completions"
+    body = {"model": "tiny", "prompt": "through the gateway", "max_tokens": 2}
+
+    def answered() -> httpx.Response | None:
+        try:
+            rsp = httpx.post(gateway, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        except httpx.TransportError:
+            return None
+        return rsp if rsp.status_code != 401 else None  # 401 until its watch has the Secret
+
+    rsp = wait_for(answered, 120, "the gateway to answer with the tenant's key")
+    assert rsp.status_code == 200, rsp.text
+    assert httpx.post(gateway, json=body, timeout=30).status_code == 401
+    secret = cluster.get_json("secret", "flotilla-engine-token", "-n", NS)
+    assert secret["data"]["token"]  # the operator derived the namespace's engine token
 
 
 def test_helm_test_gets_a_completion(release: Release, cluster: ClusterHandle):

@@ -15,7 +15,10 @@ GROUPS: dict[str, tuple[str, str]] = {
     "engine": ("flotilla.engine.cmd.engine", "run and benchmark the inference engine"),
     "model": ("flotilla.engine.cmd.model", "create and inspect model folders"),
     "operator": ("flotilla.operator.cmd.cli", "run the operator and generate its manifests"),
-    "gateway": ("flotilla.gateway.cmd", "the OpenAI front door: tenant keys, rate limits, routing, scale from zero"),
+    "gateway": (
+        "flotilla.gateway.cmd",
+        "the OpenAI front door: tenant keys, rate limits, routing, scale from zero",
+    ),
     "cluster": ("flotilla.cluster.cli", "the local Kubernetes cluster: build, up, down, status"),
     "usage": ("flotilla.operator.cmd.usage", "GPU usage and cost reports per tenant"),
     "demo": ("flotilla.demo", "the operator, a Tenant and a Ready InferenceService on the local cluster"),

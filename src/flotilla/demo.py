@@ -10,6 +10,7 @@ for one completion through the official `openai` client, then shows what meterin
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,16 @@ def _model(state_dir: Path) -> Path:
     return tiny_model(model_dir)
 
 
+def _node_port(state_dir: Path, name: str) -> int:
+    """A node port kept across demos, so an upgrade never moves the webhook's or the gateway's address."""
+    from flotilla.operator.cmd import local_chart
+
+    port_file = state_dir / f"{name}-node-port"
+    port = int(port_file.read_text()) if port_file.exists() else local_chart.free_node_port()
+    port_file.write_text(str(port))
+    return port
+
+
 def _install_chart(cluster, state_dir: Path, model_dir: Path) -> None:
     from flotilla.cluster.processes import ProcessTable
     from flotilla.operator.cmd import local_chart
@@ -75,13 +86,11 @@ def _install_chart(cluster, state_dir: Path, model_dir: Path) -> None:
     ProcessTable(state_dir / "pids").stop(
         "operator"
     )  # an older demo's host-process operator, by its pid record
-    # The webhook's node port is kept across demos, so an upgrade never moves the webhook's address.
-    port_file = state_dir / "webhook-node-port"
-    port = int(port_file.read_text()) if port_file.exists() else local_chart.free_node_port()
-    port_file.write_text(str(port))
     seconds = local_chart.install(
         cluster,
-        local_chart.local_values(port, (model_dir,)),
+        local_chart.local_values(
+            _node_port(state_dir, "webhook"), (model_dir,), _node_port(state_dir, "gateway")
+        ),
         log=lambda line: print(f"   {line}", flush=True),
     )
     print(f"   installed; the operator pod was Ready {seconds:.1f}s after helm started")
@@ -194,8 +203,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print("   (the weights are random, so the text is noise; the path through the fleet is real)")
 
+    gateway = _through_the_gateway(cluster, state_dir)
+
     _step(f"metering: what Tenant {TENANT} has used, once the operator's next round has read the engine")
-    tenant = _wait_metered(cluster, metered_before + answer.usage.completion_tokens, timeout=60)
+    tenant = _wait_metered(cluster, metered_before + answer.usage.completion_tokens + gateway, timeout=60)
     if tenant is None:
         print("   no metering round counted the completion within 60 s; see `kubectl get tenant -o yaml`")
     else:
@@ -209,8 +220,51 @@ def run(args: argparse.Namespace) -> int:
     print(f"kubectl get fisvc -n {NAMESPACE}; kubectl get tenant {TENANT} -o yaml")
     print(f"curl {endpoint}/completions -H 'Content-Type: application/json' "
           """-d '{"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8}'""")  # fmt: skip
+    print(f"the gateway: OpenAI(base_url='http://127.0.0.1:{_node_port(state_dir, 'gateway')}/v1', "
+          f"api_key=open('{state_dir / 'demo-api-key'}').read())")  # fmt: skip
     print(
         "remove Flotilla (keeps the CRDs and the tenants' objects): helm uninstall flotilla -n flotilla-system"
     )
     print("stop everything (operator, engine pods, cluster): flotilla cluster down")
     return 0
+
+
+def _through_the_gateway(cluster, state_dir: Path) -> int:
+    """A tenant API key (hashed in a Secret the gateway reads) and one completion through the gateway's
+    node port; returns the completion tokens, for metering."""
+    import httpx
+    from openai import OpenAI
+
+    from flotilla.cluster.handle import wait_for
+    from flotilla.gateway.cmd import key_secret, new_key
+    from flotilla.operator.cmd import local_chart
+
+    base = f"http://127.0.0.1:{_node_port(state_dir, 'gateway')}/v1"
+    _step(f"the gateway at {base}: an API key for {TENANT}, then one completion with it")
+    key_file = state_dir / "demo-api-key"
+    key = key_file.read_text().strip() if key_file.exists() else new_key()
+    key_file.write_text(key)
+    key_file.chmod(0o600)
+    cluster.apply(json.dumps(key_secret(TENANT, "demo", key, local_chart.NAMESPACE, f"{TENANT}-api-keys")))
+    print(f"   key in {key_file}; its SHA-256 in Secret {local_chart.NAMESPACE}/{TENANT}-api-keys")
+
+    def answered() -> bool:
+        try:
+            rsp = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        except httpx.TransportError:
+            return False
+        return rsp.status_code == 200 and bool(rsp.json()["data"])
+
+    wait_for(answered, 120, "the gateway to know the key and the service")
+    client = OpenAI(base_url=base, api_key=key, timeout=120, max_retries=0)
+    answer = client.completions.create(
+        model="tiny-llama", prompt="Through the gateway", max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    print(
+        f"   text: {answer.choices[0].text!r} (routed by prefix and load; the engine counted it for {TENANT})"
+    )
+    try:
+        client.with_options(api_key="fl-not-a-key").models.list()
+    except Exception as exc:  # openai.AuthenticationError
+        print(f"   a wrong key: {type(exc).__name__}")
+    return answer.usage.completion_tokens if answer.usage else 0

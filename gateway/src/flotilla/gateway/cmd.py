@@ -36,7 +36,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--max-held", type=int, default=None, help="requests held per service before 429")
     run.set_defaults(func=_run)
 
-    chart = commands.add_parser("chart", help="regenerate the gateway's files in charts/flotilla/files/ (RBAC)")
+    chart = commands.add_parser(
+        "chart", help="regenerate the gateway's files in charts/flotilla/files/ (RBAC)"
+    )
     chart.add_argument("--out", type=Path, default=Path("charts") / "flotilla", help="the chart folder")
     chart.add_argument("--check", action="store_true", help="fail if the files differ instead of writing")
     chart.set_defaults(func=_chart)

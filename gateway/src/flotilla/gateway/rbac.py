@@ -34,6 +34,7 @@ def namespace_rules() -> list[dict]:
 
 def files() -> dict[str, str]:
     """Path under the chart's files/ folder -> text."""
+
     def dump(rules: list[dict]) -> str:
         return HEADER + yaml.safe_dump(rules, sort_keys=False, width=1000)
 
@@ -48,3 +49,24 @@ def write(chart_dir: Path = CHART_DIR) -> list[Path]:
         path.write_text(text)
         written.append(path)
     return written
+
+
+SERVICE_ACCOUNT = "flotilla-gateway"  # the chart's name for it too (charts/flotilla/templates/gateway.yaml)
+
+
+def render(namespace: str) -> str:
+    """The ServiceAccount and its roles as one YAML stream, for a gateway in `namespace` without the chart
+    (the local cluster's e2e tests); the chart makes the same objects."""
+    subject = [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": namespace}]
+    meta = {"name": SERVICE_ACCOUNT}
+    rbac = "rbac.authorization.k8s.io/v1"
+    docs = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta | {"namespace": namespace}},
+        {"apiVersion": rbac, "kind": "ClusterRole", "metadata": meta, "rules": cluster_rules()},
+        {"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": meta, "subjects": subject,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": SERVICE_ACCOUNT}},
+        {"apiVersion": rbac, "kind": "Role", "metadata": meta | {"namespace": namespace}, "rules": namespace_rules()},
+        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": meta | {"namespace": namespace}, "subjects": subject,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": SERVICE_ACCOUNT}},
+    ]  # fmt: skip
+    return yaml.safe_dump_all(docs, sort_keys=False)

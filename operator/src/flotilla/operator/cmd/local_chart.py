@@ -1,7 +1,7 @@
 """Flotilla installed on the local cluster through its Helm chart, as a platform team installs it.
 
 The local cluster's API server cannot reach a Service (no kube-proxy, no cluster network), so the
-webhook's Service is a NodePort, which the node agent forwards to the operator's Ready pods, and the
+webhook's Service (and the gateway's, for clients on the host) is a NodePort, which the node agent forwards to the operator's Ready pods, and the
 webhook configuration dials `https://127.0.0.1:<nodePort>`. The operator shares the host's disks with
 the node agent's pods, so it checks file:// model paths. Everything else is the chart's defaults.
 """
@@ -42,9 +42,15 @@ def free_node_port() -> int:
     raise RuntimeError("no free port in the node-port range 30000-32767")
 
 
-def local_values(webhook_node_port: int, model_dirs: tuple[Path, ...] = (), **overrides: object) -> dict:
+def local_values(
+    webhook_node_port: int,
+    model_dirs: tuple[Path, ...] = (),
+    gateway_node_port: int | None = None,
+    **overrides: object,
+) -> dict:
     """`model_dirs`: folders the operator must see to check file:// models. It shares the host's disks,
-    except /tmp, where its pod mounts an emptyDir; each is mounted from the host at its own path."""
+    except /tmp, where its pod mounts an emptyDir; each is mounted from the host at its own path. With
+    `gateway_node_port`, the gateway's Service is a NodePort there (http://127.0.0.1:<port>/v1)."""
     mounts = [
         ({"name": f"model-{i}", "hostPath": {"path": str(d), "type": "Directory"}},
          {"name": f"model-{i}", "mountPath": str(d), "readOnly": True})
@@ -61,6 +67,8 @@ def local_values(webhook_node_port: int, model_dirs: tuple[Path, ...] = (), **ov
             "url": f"https://127.0.0.1:{webhook_node_port}",
         },
     }
+    if gateway_node_port is not None:
+        values["gateway"] = {"service": {"type": "NodePort", "nodePort": gateway_node_port}}
     for dotted, value in overrides.items():  # operator__replicas=2 -> operator.replicas
         *path, leaf = dotted.split("__")
         node = values
