@@ -23,7 +23,8 @@ def test_prefix_prefers_the_replica_holding_the_prompt_prefix() -> None:
 
 
 def test_prefix_hit_beats_a_busier_spread_when_it_covers_the_prompt() -> None:
-    loads = urls((A, EndpointLoad(4, 1, 0.9)), (B, EndpointLoad(0, 0, 0.0)))
+    # A is busier (within the gap) and has a fuller cache, but holds the whole prompt.
+    loads = urls((A, EndpointLoad(DEFAULT_WEIGHTS.max_queue_gap, 0, 0.9)), (B, EndpointLoad(0, 0, 0.0)))
     decision = pick("prefix", [A, B], loads, {A.url: 10}, total_blocks=10, rr_counter=0)
     assert decision is not None and decision.endpoint == A and decision.reason == "prefix_hit"
 
@@ -97,3 +98,13 @@ def test_reasons_are_the_fixed_label_set_and_unknown_policy_fails() -> None:
     assert REASONS == ("prefix_hit", "least_load", "round_robin", "only_endpoint")
     with pytest.raises(ValueError, match="unknown routing policy"):
         pick("fastest", ALL, {}, {}, 0, 0)  # type: ignore[arg-type]
+
+
+def test_a_hit_on_a_small_share_of_the_prompt_is_not_affinity() -> None:
+    """A preamble every prompt shares must not send every prompt where the first one went."""
+    loads = urls((A, EndpointLoad(1, 0, 0.0)), (B, EndpointLoad(0, 0, 0.0)))
+    small = int(DEFAULT_WEIGHTS.min_hit_fraction * 40) - 1  # just under the share that counts, of 40 blocks
+    decision = pick("prefix", [A, B], loads, {A.url: small}, total_blocks=40, rr_counter=0)
+    assert decision is not None and (decision.endpoint, decision.reason) == (B, "least_load")
+    decision = pick("prefix", [A, B], loads, {A.url: 40}, total_blocks=40, rr_counter=0)
+    assert decision is not None and (decision.endpoint, decision.reason) == (A, "prefix_hit")

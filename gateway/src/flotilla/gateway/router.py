@@ -31,7 +31,8 @@ class Router:
         candidates = routable(service)
         routes = self._routes(service, blocks_per_replica)
         urls = [e.url for e in candidates]
-        hits = routes.table.match(hashes, urls) if hashes and self.policy == "prefix" else {}
+        # Matched under every policy, so the predicted-hit metric compares them; only `prefix` acts on it.
+        hits = routes.table.match(hashes, urls) if hashes else {}
         loads = {url: self._load(url) for url in urls}
         decision = pick(self.policy, candidates, loads, hits, len(hashes), routes.turns, exclude)
         routes.turns += 1
