@@ -32,6 +32,9 @@ ENGINE_SETTINGS = [
     {"dtype": "bfloat16"},
     {"schedulingPolicy": "fair"},
     {"schedulingPolicy": "priority"},
+    {"quantization": "int8"},
+    {"quantization": "int4", "quantizationGroupSize": 64},
+    {"quantization": "none", "quantizationGroupSize": 32},
     {
         "maxNumSeqs": 64,
         "maxNumBatchedTokens": 4096,
@@ -88,6 +91,11 @@ def test_every_engine_command_parses_with_the_engines_cli(spec: InferenceService
         assert args.dtype == engine.dtype
     if engine.scheduling_policy is not None:
         assert args.scheduling_policy == engine.scheduling_policy
+    from flotilla.engine.config import EngineConfig
+
+    default = EngineConfig(model="")  # unset settings keep the engine's defaults
+    assert args.quantization == (engine.quantization or default.quantization)
+    assert args.quantization_group_size == (engine.quantization_group_size or default.quantization_group_size)
     # The tenants' fair-share weights reach fair engines only (others must not roll on a weight change).
     fair = engine.scheduling_policy == "fair"
     assert args.tenant_weights == ({"team-b": 0.5, "team-c": 3.0} if fair else {})
@@ -113,6 +121,18 @@ def test_every_init_container_command_parses_with_the_engines_cli(
         assert spec.model.uri.endswith(args.uri.split("://")[1])
         engine_args = build_parser().parse_args(container["command"][1:])
         assert Path(args.dest) == Path(engine_args.model)
+
+
+def test_the_specs_quantization_values_are_the_contracts() -> None:
+    from typing import get_args
+
+    from flotilla.operator.api.v1alpha1 import EngineSettings
+
+    fields = EngineSettings.model_fields
+    (methods, _none) = get_args(fields["quantization"].annotation)
+    assert get_args(methods) == contract.QUANTIZATION_METHODS
+    (sizes, _none) = get_args(fields["quantization_group_size"].annotation)
+    assert get_args(sizes) == contract.QUANTIZATION_GROUP_SIZES
 
 
 def test_schemes_that_need_a_download_get_an_init_container() -> None:

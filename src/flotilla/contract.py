@@ -113,6 +113,20 @@ TENANT_TIME_TO_FIRST_TOKEN = "flotilla_tenant_time_to_first_token_seconds"
 OTHER_TENANT = "other"
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 
+# What the loaded model is: the bytes its weights take (quantized weights and their scales included) and an
+# info gauge (always 1) whose labels say the quantization, its int4 group size ("" otherwise) and the dtype
+# of the layers that stay in float.
+MODEL_WEIGHT_BYTES = "flotilla_model_weight_bytes"
+MODEL_INFO = "flotilla_model_info"
+LABEL_QUANTIZATION = "quantization"
+LABEL_QUANTIZATION_GROUP_SIZE = "quantization_group_size"
+LABEL_DTYPE = "dtype"
+# Weight-only quantization of the decoder's linear layers (`--quantization`, spec.engine.quantization); the
+# int4 group sizes (`--quantization-group-size`, spec.engine.quantizationGroupSize).
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+DEFAULT_QUANTIZATION_GROUP_SIZE = 128
+
 
 def counter_total(name: str) -> str:
     """The exposed sample name of a counter."""
@@ -260,6 +274,8 @@ FLAG_NO_PREFIX_CACHING = "--no-prefix-caching"
 FLAG_DTYPE = "--dtype"
 FLAG_SCHEDULING_POLICY = "--scheduling-policy"
 FLAG_TENANT_WEIGHTS = "--tenant-weights"  # tenant=weight,tenant=weight
+FLAG_QUANTIZATION = "--quantization"  # one of QUANTIZATION_METHODS
+FLAG_QUANTIZATION_GROUP_SIZE = "--quantization-group-size"  # one of QUANTIZATION_GROUP_SIZES (int4)
 FLAG_FETCH_DEST = "--dest"
 
 
@@ -276,6 +292,8 @@ class EngineArgs:
     dtype: str | None = None
     scheduling_policy: str | None = None  # one of SCHEDULING_POLICIES
     tenant_weights: tuple[tuple[str, float], ...] = ()  # fair-share weights, for the fair policy
+    quantization: str | None = None  # one of QUANTIZATION_METHODS
+    quantization_group_size: int | None = None  # one of QUANTIZATION_GROUP_SIZES (int4 only)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def flags(self) -> list[str]:
@@ -290,6 +308,10 @@ class EngineArgs:
         flags += _valued((FLAG_DTYPE, self.dtype), (FLAG_SCHEDULING_POLICY, self.scheduling_policy))
         if self.tenant_weights:
             flags += [FLAG_TENANT_WEIGHTS, format_tenant_weights(self.tenant_weights)]
+        flags += _valued(
+            (FLAG_QUANTIZATION, self.quantization),
+            (FLAG_QUANTIZATION_GROUP_SIZE, self.quantization_group_size),
+        )
         return flags + list(self.extra_args)
 
 

@@ -26,6 +26,8 @@ CONTRACT = {
     "flotilla_generation_tokens": "counter",
     "flotilla_num_preemptions": "counter",
     "flotilla_request_success": "counter",
+    "flotilla_model_weight_bytes": "gauge",
+    "flotilla_model_info": "gauge",
 }
 
 
@@ -54,6 +56,17 @@ def test_contract_names_types_and_labels(server):
         s.labels["le"] for s in families["flotilla_time_to_first_token_seconds"].samples if "le" in s.labels
     ]
     assert buckets[0] == "0.001" and float(buckets[-2]) >= 60  # 1 ms to minutes
+
+
+def test_the_model_info_says_the_quantization_and_the_weight_bytes(server, http):
+    metrics = scrape(server.url)
+    info = server.llm.model_info
+    assert value(metrics, "flotilla_model_weight_bytes") == info.weight_bytes > 0
+    (labels,) = metrics["flotilla_model_info"]
+    assert ("quantization", "none") in labels and ("dtype", "float32") in labels
+    (card,) = http.get("/v1/models").json()["data"]
+    assert (card["quantization"], card["quantization_group_size"]) == ("none", None)
+    assert card["weight_bytes"] == info.weight_bytes
 
 
 def test_counters_follow_requests(server, http):

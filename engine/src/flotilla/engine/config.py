@@ -5,6 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from flotilla.contract import (
+    DEFAULT_QUANTIZATION_GROUP_SIZE,
+    FLAG_QUANTIZATION,
+    FLAG_QUANTIZATION_GROUP_SIZE,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATION_METHODS,
+)
+
 
 @dataclass
 class EngineConfig:
@@ -24,8 +32,21 @@ class EngineConfig:
     show_progress: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority | fair (core/policy.py)
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share; absent tenants weigh 1
+    # Weight-only quantization of the decoder's linear layers at load time (model/quantize.py): none, int8
+    # (per output channel) or int4 (per group of quantization_group_size input features).
+    quantization: str = "none"
+    quantization_group_size: int = DEFAULT_QUANTIZATION_GROUP_SIZE
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"{FLAG_QUANTIZATION} {self.quantization}: must be one of {', '.join(QUANTIZATION_METHODS)}"
+            )
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(
+                f"{FLAG_QUANTIZATION_GROUP_SIZE} {self.quantization_group_size}: must be one of "
+                f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}"
+            )
         if self.scheduling_policy not in ("fcfs", "priority", "fair"):
             raise ValueError(
                 f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}"

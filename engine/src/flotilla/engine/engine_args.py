@@ -14,8 +14,12 @@ from flotilla.contract import (
     FLAG_MAX_NUM_SEQS,
     FLAG_MODEL,
     FLAG_NO_PREFIX_CACHING,
+    FLAG_QUANTIZATION,
+    FLAG_QUANTIZATION_GROUP_SIZE,
     FLAG_SCHEDULING_POLICY,
     FLAG_TENANT_WEIGHTS,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     parse_tenant_weights,
 )
@@ -103,12 +107,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fair-share weights, e.g. team-a=2,team-b=1: a tenant of weight 2 gets twice the tokens of "
         "one of weight 1 when both wait (default: every tenant weighs 1)",
     )
+    add_quantization_args(group, defaults)
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument(
         "--threads",
         type=thread_count,
         default=defaults.cpu_threads,
         help="torch CPU threads (0: all cores but one when serving, torch's default otherwise)",
+    )
+
+
+def add_quantization_args(group, defaults: EngineConfig | None = None) -> None:
+    """--quantization and --quantization-group-size (also declared by `bench offline`)."""
+    defaults = defaults or EngineConfig(model="")
+    group.add_argument(
+        FLAG_QUANTIZATION,
+        choices=QUANTIZATION_METHODS,
+        default=defaults.quantization,
+        help="weight-only quantization of the decoder's linear layers at load time, from the float "
+        "checkpoint: int8 (per output channel) or int4 (per group of input features); embeddings, norms "
+        f"and the LM head stay in float (default {defaults.quantization})",
+    )
+    group.add_argument(
+        FLAG_QUANTIZATION_GROUP_SIZE,
+        type=int,
+        choices=QUANTIZATION_GROUP_SIZES,
+        default=defaults.quantization_group_size,
+        help="int4: input features per scale; must divide every quantized layer's input features "
+        f"(default {defaults.quantization_group_size})",
     )
 
 
@@ -130,4 +156,6 @@ def engine_config_from_args(args: argparse.Namespace, show_progress: bool = Fals
         show_progress=show_progress,
         scheduling_policy=args.scheduling_policy,
         tenant_weights=dict(args.tenant_weights),
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )

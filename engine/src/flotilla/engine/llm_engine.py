@@ -35,6 +35,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_file(folder / "config.json")
         self.tokenizer = load_tokenizer(folder)
         self.runner = ModelRunner(config, self.model_config)
+        self.model_info = self.runner.model_info
         self.max_model_len = self.runner.max_model_len
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching

@@ -122,7 +122,8 @@ def measure_matmul(
     work over its time."""
     import torch
 
-    weight = linears[0][1].weight
+    # The layers' input dtype and device: a float weight's (quantized layers hold none; the LM head does).
+    weight = next(m.weight for _, m, _ in linears if isinstance(getattr(m, "weight", None), torch.Tensor))
     device, dtype = weight.device, weight.dtype
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     by_batch = []

@@ -235,6 +235,20 @@ def measure_compute_limit(engine, work: Workload, run: dict[str, Any]) -> dict[s
     return compute_limit(cfg, matmul, run, sum(map(len, work.prompts)), context)
 
 
+def quantized_layer_bytes(engine) -> dict[str, Any]:
+    """The quantized layers' bytes (weights, scales, zeros) against the same weights in bfloat16."""
+    from flotilla.engine.model.quantize import bf16_weight_bytes, quantized_weight_bytes
+
+    model = engine.runner.model
+    ours, bf16 = quantized_weight_bytes(model), bf16_weight_bytes(model, quantized_only=True)
+    return {
+        "quantized_layers_bytes": ours,
+        "quantized_layers_bf16_bytes": bf16,
+        "quantized_layers_bf16_ratio": ours / bf16 if bf16 else None,
+        "weight_bf16_ratio": engine.model_info.weight_bytes / engine.model_info.bf16_weight_bytes,
+    }
+
+
 # -- the command ------------------------------------------------------------------------------------------
 def run_offline(args) -> int:
     import torch
@@ -253,7 +267,8 @@ def run_offline(args) -> int:
                 model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=prefix_caching, show_progress=False,
-                cpu_threads=args.threads,
+                cpu_threads=args.threads, quantization=args.quantization,
+                quantization_group_size=args.quantization_group_size,
             )
         )  # fmt: skip
 
@@ -263,6 +278,7 @@ def run_offline(args) -> int:
     report: dict[str, Any] = {
         **engine_header(args, engine, input_len, output_len),
         "num_prompts": args.num_prompts,
+        **quantized_layer_bytes(engine),
     }
     log(
         f"bench: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, on {report['device']}"
@@ -331,6 +347,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(
         f"{r['num_prompts']} prompts, input {r['input_len']}, output {r['output_len']}, max_num_seqs {r['max_num_seqs']}"
     )
+    print_weights(r)
     rows = [("(c) flotilla", r["flotilla"])]
     if "hf_sequential" in r:
         rows = [
@@ -373,6 +390,23 @@ def print_report(r: dict[str, Any]) -> None:
         f"scheduler + block bookkeeping at {c['running_sequences']} running: {c['ms_per_step']:.3f} ms/step "
         f"(median; mean {c['ms_per_step_mean']:.3f})"
     )
+
+
+def print_weights(r: dict[str, Any]) -> None:
+    method = r["quantization"]
+    if r["quantization_group_size"] is not None:
+        method += f" (group size {r['quantization_group_size']})"
+    line = (
+        f"weights: {method}, {r['weight_bytes'] / 2**20:.2f} MiB = {r['weight_bf16_ratio']:.3f}x of the "
+        f"model in bfloat16 ({r['bf16_weight_bytes'] / 2**20:.2f} MiB)"
+    )
+    if r["quantized_layers_bf16_ratio"] is not None:
+        kernels = ", ".join(f"{k} ({n})" for k, n in sorted(r["quantized_layer_kernels"].items()))
+        line += (
+            f"; the quantized layers {r['quantized_layers_bytes'] / 2**20:.2f} MiB with their scales = "
+            f"{r['quantized_layers_bf16_ratio']:.3f}x of their bfloat16 bytes, computed by {kernels}"
+        )
+    print(line)
 
 
 def print_compute_limit(c: dict[str, Any], b: dict[str, Any] | None) -> None:

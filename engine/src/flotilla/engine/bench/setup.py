@@ -13,6 +13,7 @@ def engine_header(
 ) -> dict[str, Any]:
     import torch
 
+    info = engine.model_info
     return {
         "model": str(Path(args.model).resolve()),
         "device": str(engine.runner.device),
@@ -24,4 +25,9 @@ def engine_header(
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
         "kv_cache_blocks": engine.runner.num_blocks,
+        "quantization": info.quantization,
+        "quantization_group_size": info.quantization_group_size,
+        "weight_bytes": info.weight_bytes,
+        "bf16_weight_bytes": info.bf16_weight_bytes,  # the same weights at 2 bytes per element
+        "quantized_layer_kernels": info.kernels,
     }

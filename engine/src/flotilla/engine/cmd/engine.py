@@ -9,7 +9,7 @@ def add_commands(subparsers) -> None:
     from flotilla.engine.bench.fair import add_bench_fair_args
     from flotilla.engine.bench.serve import add_bench_serve_args
     from flotilla.engine.cmd.serve import add_serve_args
-    from flotilla.engine.engine_args import thread_count
+    from flotilla.engine.engine_args import add_quantization_args, thread_count
 
     serve = subparsers.add_parser(
         "serve",
@@ -67,6 +67,7 @@ def add_commands(subparsers) -> None:
     offline.add_argument("--device", default="auto")
     offline.add_argument("--dtype", default="auto")
     offline.add_argument("--seed", type=int, default=0)
+    add_quantization_args(offline)
     offline.add_argument(
         "--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)"
     )

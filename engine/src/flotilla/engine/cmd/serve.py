@@ -76,7 +76,7 @@ def serving_threads() -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from flotilla.engine.model.config import ModelConfig, ModelLoadError
+    from flotilla.engine.model.config import ModelConfig, ModelLoadError, check_quantization
     from flotilla.engine.server.run import ServerSettings, run_server
     from flotilla.engine.text.tokenizer import load_tokenizer
 
@@ -94,7 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         if config.cpu_threads == 0:
             config = dataclasses.replace(config, cpu_threads=serving_threads())
-        ModelConfig.from_file(folder / "config.json")
+        model_config = ModelConfig.from_file(folder / "config.json")
+        check_quantization(model_config, config.quantization, config.quantization_group_size)
         load_tokenizer(folder)
     except (ModelLoadError, ValueError) as exc:
         print(f"flotilla engine serve: {exc}", file=sys.stderr)

@@ -60,3 +60,30 @@ class EngineStats:
     num_steps: int = 0
     # Per request tenant ("" is the engine's own when none was named), in the order tenants first arrived.
     tenants: dict[str, TenantStats] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the loaded model is: its float dtype, the weight-only quantization of its decoder's linear
+    layers (model/quantize.py) and the bytes its weights take. Fixed once loaded."""
+
+    dtype: str  # the float layers' (embeddings, norms, LM head), e.g. "float32"
+    quantization: str = "none"  # none | int8 | int4
+    quantization_group_size: int | None = None  # int4 only
+    weight_bytes: int = 0  # parameters and persistent buffers, quantized weights and their scales included
+    bf16_weight_bytes: int = 0  # the same weights at 2 bytes per element (a quantized layer: out x in)
+    kernels: dict[str, int] = field(default_factory=dict)  # what computes the quantized layers -> layers
+
+    def describe(self) -> str:
+        """One line for logs and benchmark output."""
+        method = self.quantization
+        if self.quantization_group_size is not None:
+            method += f" (group size {self.quantization_group_size})"
+        line = f"{method}, {self.dtype} float layers, weights {self.weight_bytes / 2**20:.1f} MiB"
+        if self.bf16_weight_bytes:
+            line += f" ({self.weight_bytes / self.bf16_weight_bytes:.2f}x of bfloat16)"
+        if self.kernels:
+            line += "; quantized layers on " + ", ".join(
+                f"{k} ({n})" for k, n in sorted(self.kernels.items())
+            )
+        return line

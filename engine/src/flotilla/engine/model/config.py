@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flotilla.contract import FLAG_QUANTIZATION_GROUP_SIZE, QUANTIZATION_GROUP_SIZES
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -156,3 +158,32 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+
+    def decoder_linears(self) -> list[tuple[str, int, int]]:
+        """(name, input features, output features) of each decoder layer's linear layers, as the engine
+        names them (q/k/v and gate/up fused); every layer has the same ones, so layer 0 stands for all."""
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        return [
+            ("layers.0.self_attn.qkv_proj", self.hidden_size, q + 2 * kv),
+            ("layers.0.self_attn.o_proj", q, self.hidden_size),
+            ("layers.0.mlp.gate_up_proj", self.hidden_size, 2 * self.intermediate_size),
+            ("layers.0.mlp.down_proj", self.intermediate_size, self.hidden_size),
+        ]
+
+
+def check_quantization(config: ModelConfig, method: str, group_size: int) -> None:
+    """Refuses, before any weight is read, an int4 group size that does not divide a quantized layer's
+    input features (each group of that many input features shares one scale)."""
+    if method != "int4":
+        return
+    for name, in_features, _out in config.decoder_linears():
+        if in_features % group_size:
+            fits = [
+                g for g in QUANTIZATION_GROUP_SIZES if all(k % g == 0 for _, k, _ in config.decoder_linears())
+            ]
+            hint = f"; {', '.join(map(str, fits))} would" if fits else "; no group size divides them all"
+            raise ValueError(
+                f"{FLAG_QUANTIZATION_GROUP_SIZE} {group_size} does not divide {name}'s {in_features} input "
+                f"features (int4 shares one scale per group of that many input features{hint})"
+            )

@@ -9,8 +9,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from flotilla.engine.model.config import ModelConfig, ModelLoadError
+from flotilla.engine.model.config import ModelConfig, ModelLoadError, check_quantization
 from flotilla.engine.model.llama import LlamaForCausalLM
+from flotilla.engine.model.quantize import quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # checkpoint projection -> (our fused parameter, index of its shard)
@@ -67,19 +68,26 @@ def load_model(
     device: torch.device,
     max_positions: int,
     show_progress: bool = True,
+    quantization: str = "none",
+    group_size: int = 128,
 ) -> LlamaForCausalLM:
+    """The model, its decoder's linear layers quantized when `quantization` is int8 or int4
+    (model/quantize.py). A quantized model's float weights are read into CPU memory first and reach the
+    device one quantized layer at a time, so the device never holds the whole float model."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: model folder not found")
     config = ModelConfig.from_file(folder / "config.json")
+    check_quantization(config, quantization, group_size)
     files = weight_files(folder)
+    staging = device if quantization == "none" else torch.device("cpu")
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=staging).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.build(device)
+    model.model.rotary.build(staging)
     params = dict(model.named_parameters())
     expected = set(params)
     if config.tie_word_embeddings:
@@ -110,6 +118,13 @@ def load_model(
         raise ModelLoadError(
             f"{folder}: weights missing from the safetensors files: {', '.join(missing[:8])}"
         )
+    quantize_model(model, quantization, group_size, device)
+    if staging != device:
+        model.to(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float layers' blocks: free memory for the KV cache's sizing
+        if config.tie_word_embeddings:  # moving across devices makes new parameters: tie them again
+            model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     return model
 

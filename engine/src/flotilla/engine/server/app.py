@@ -53,6 +53,7 @@ def create_app(
         settings.model_name,
         lambda: state.engine.stats() if state.engine else None,
         max_tenant_labels=settings.max_tenant_labels,
+        model_info=lambda: state.engine.engine.model_info if state.engine else None,
     )
 
     async def load() -> None:

@@ -42,11 +42,16 @@ from flotilla.contract import (
     GENERATION_TOKENS,
     INTER_TOKEN_LATENCY,
     KV_CACHE_USAGE_RATIO,
+    LABEL_DTYPE,
     LABEL_FINISH_REASON,
     LABEL_MODEL,
+    LABEL_QUANTIZATION,
+    LABEL_QUANTIZATION_GROUP_SIZE,
     LABEL_SERVICE,
     LABEL_TENANT,
     LATENCY_BUCKETS,
+    MODEL_INFO,
+    MODEL_WEIGHT_BYTES,
     NUM_PREEMPTIONS,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
@@ -62,7 +67,7 @@ from flotilla.contract import (
     TENANT_VIRTUAL_TOKEN_COUNTER,
     TIME_TO_FIRST_TOKEN,
 )
-from flotilla.engine.core.outputs import EngineStats, RequestOutput, TenantStats
+from flotilla.engine.core.outputs import EngineStats, ModelInfo, RequestOutput, TenantStats
 
 LABELS = ENGINE_LABELS
 DEFAULT_MAX_TENANT_LABELS = 32  # distinct request tenants the per-tenant series name; the rest: OTHER_TENANT
@@ -184,12 +189,42 @@ class _StatsCollector:
         yield from (prompt, generation, counter, waiting)
 
 
+class _ModelInfoCollector:
+    """The loaded model's weight bytes and an info gauge (1) labelled with its quantization, int4 group
+    size ("" otherwise) and float dtype. Families without samples until the model has loaded."""
+
+    def __init__(self, info: Callable[[], ModelInfo | None], labels: dict[str, str]) -> None:
+        self._info = info
+        self._labels = labels
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info = self._info()
+        names, values = list(self._labels), list(self._labels.values())
+        weights = GaugeMetricFamily(
+            MODEL_WEIGHT_BYTES,
+            "Bytes of the loaded model's weights (quantized weights and their scales included).",
+            labels=names,
+        )
+        described = GaugeMetricFamily(
+            MODEL_INFO,
+            "The loaded model: its weight-only quantization (none, int8, int4), int4 group size and float dtype.",
+            labels=[*names, LABEL_QUANTIZATION, LABEL_QUANTIZATION_GROUP_SIZE, LABEL_DTYPE],
+        )
+        if info is not None:
+            weights.add_metric(values, info.weight_bytes)
+            group = "" if info.quantization_group_size is None else str(info.quantization_group_size)
+            described.add_metric([*values, info.quantization, group, info.dtype], 1)
+        yield weights
+        yield described
+
+
 class EngineMetrics:
     def __init__(
         self,
         model: str,
         stats: Callable[[], EngineStats | None],
         max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS,
+        model_info: Callable[[], ModelInfo | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.labels = label_values(model)
@@ -210,6 +245,7 @@ class EngineMetrics:
             TENANT_TIME_TO_FIRST_TOKEN, "Arrival to first generated token, in seconds, by request tenant."
         )
         self.registry.register(_StatsCollector(stats, self.labels, self.tenant_label))
+        self.registry.register(_ModelInfoCollector(model_info, self.labels))
 
     def tenant_ttft(self, tenant: str) -> Histogram:
         """The TTFT histogram of a request tenant (its capped label)."""

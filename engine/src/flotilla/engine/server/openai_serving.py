@@ -62,6 +62,7 @@ class Serving:
         llm = engine.engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = llm.max_model_len
+        self.model_info = llm.model_info
         self.vocab_size = llm.model_config.vocab_size
         self.defaults = llm.default_sampling_params()
 

@@ -207,6 +207,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "flotilla"
     max_model_len: int
+    quantization: str = "none"  # the decoder's weight-only quantization: none, int8 or int4
+    quantization_group_size: int | None = None  # int4 only
+    weight_bytes: int  # the loaded weights, quantized weights and their scales included
 
 
 class ModelList(BaseModel):

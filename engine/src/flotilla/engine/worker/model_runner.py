@@ -9,11 +9,13 @@ import torch
 from torch.profiler import record_function
 
 from flotilla.engine.config import EngineConfig, blocks_for_budget
+from flotilla.engine.core.outputs import ModelInfo
 from flotilla.engine.core.request import Request
 from flotilla.engine.core.scheduler import SchedulerOutput
 from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model, resolve_device, resolve_dtype
+from flotilla.engine.model.quantize import bf16_weight_bytes, kernels_in_use, weight_bytes
 from flotilla.engine.worker.sampler import SAMPLER_LABEL, Sampler, SampleResult
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,25 @@ class ModelRunner:
             max_len = min(max_len, model_config.sliding_window)
         self.max_model_len = max_len
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, self.dtype, self.device, max_len, config.show_progress)
+        self.model = load_model(
+            config.model,
+            self.dtype,
+            self.device,
+            max_len,
+            config.show_progress,
+            quantization=config.quantization,
+            group_size=config.quantization_group_size,
+        )
+        int4 = config.quantization == "int4"
+        self.model_info = ModelInfo(
+            dtype=str(self.dtype).removeprefix("torch."),
+            quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size if int4 else None,
+            weight_bytes=weight_bytes(self.model),
+            bf16_weight_bytes=bf16_weight_bytes(self.model),
+            kernels=kernels_in_use(self.model),
+        )
+        log.info("model %s: %s", config.model, self.model_info.describe())
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         if self.num_blocks * self.block_size < self.max_model_len:

@@ -81,6 +81,18 @@ class EngineSettings(_Model):
         "priority (the request's priority, then arrival) or fair (the tenant served least so far first, "
         "weighted by each Tenant's schedulingWeight)",
     )
+    # The same values as flotilla.contract.QUANTIZATION_METHODS and QUANTIZATION_GROUP_SIZES (a test checks).
+    quantization: Literal["none", "int8", "int4"] | None = Field(
+        default=None,
+        description="weight-only quantization of the decoder's linear layers at load time: none (the "
+        "engine's default), int8 (per output channel) or int4 (per group of input features); embeddings, "
+        "norms and the LM head stay in float",
+    )
+    quantization_group_size: Literal[32, 64, 128] | None = Field(
+        default=None,
+        description="int4: input features per scale (the engine's default 128); must divide every quantized "
+        "layer's input features, or the engine refuses to start",
+    )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="appended to `flotilla engine serve`"
     )

@@ -105,6 +105,8 @@ def engine_args(engine: EngineSettings, tenant_weights: tuple[tuple[str, float],
         dtype=engine.dtype,
         scheduling_policy=engine.scheduling_policy,
         tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == FAIR else (),
+        quantization=engine.quantization,
+        quantization_group_size=engine.quantization_group_size,
         extra_args=tuple(engine.extra_args),
     )
 
