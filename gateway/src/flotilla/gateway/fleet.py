@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from flotilla.contract import (
+    ANNOTATION_DEMAND,
     API_GROUP,
     API_KEY_SECRET_LABEL,
     API_VERSION,
-    ENGINE_PORT,
     INFERENCE_SERVICES,
     POD_SERVICE_LABEL,
     TENANTS,
@@ -160,14 +160,8 @@ class KubeFleet(Fleet):
             log.exception("on_change failed")
 
     async def demand(self, service: ServiceView, stamp: str) -> None:
-        from flotilla.contract import ANNOTATION_DEMAND
-
         path = f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{service.namespace}/{INFERENCE_SERVICES}/{service.name}"
         try:
             await self.kube.merge_patch(path, {"metadata": {"annotations": {ANNOTATION_DEMAND: stamp}}})
         except Exception as exc:  # the held request times out with its own message; say why here
             log.warning("cannot signal demand for %s: %s", service.key, exc)
-
-
-def endpoint_url(ip: str) -> str:
-    return f"http://{ip}:{ENGINE_PORT}"
