@@ -106,8 +106,8 @@ def hf_static_batches(model, work: Workload, batch_size: int) -> dict[str, Any]:
                 mask[row, longest - len(p) :] = 1
             steps = max(work.output_lens[i : i + batch_size])
             model.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(model.device),  # on the model's device: on CUDA, no copy per step
+                attention_mask=mask.to(model.device),
                 do_sample=False,
                 max_new_tokens=steps,
                 min_new_tokens=steps,

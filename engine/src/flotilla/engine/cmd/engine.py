@@ -97,6 +97,20 @@ def add_commands(subparsers) -> None:
     )
     add_bench_fair_args(fair)
     fair.set_defaults(func=_bench_fair)
+    from flotilla.engine.bench.gpu import add_bench_gpu_args
+
+    gpu = kinds.add_parser(
+        "gpu",
+        help="the GPU check: kernels vs reference, decode attention and batch-1 bandwidth vs copy, "
+        "throughput vs transformers",
+        description="On a CUDA machine, within ten minutes: the Triton kernels against the torch reference, "
+        "decode attention bandwidth and batch-1 decode bandwidth utilisation (a random ~1B Llama in bf16) "
+        "against the measured copy bandwidth, and throughput against transformers generate and "
+        "generate_batch. Writes OUT/gpu-check.json (after every check) and OUT/gpu-check.png; targets are "
+        "printed, not asserted. --quick --device cpu is a smoke run (TRITON_INTERPRET=1 runs the kernels).",
+    )
+    add_bench_gpu_args(gpu)
+    gpu.set_defaults(func=_bench_gpu)
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
@@ -109,6 +123,12 @@ def _bench_fair(args: argparse.Namespace) -> int:
     from flotilla.engine.bench.fair import run_bench_fair
 
     return run_bench_fair(args)
+
+
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from flotilla.engine.bench.gpu import run_bench_gpu
+
+    return run_bench_gpu(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
