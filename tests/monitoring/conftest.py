@@ -21,9 +21,6 @@ BOUNDED_LABELS = frozenset(
         contract.LABEL_REASON,
         contract.LABEL_TRIGGER,
         contract.LABEL_LE,
-        contract.LABEL_MODEL,  # a served name the gateway knows, never a client's text
-        contract.LABEL_CODE,  # an HTTP status
-        contract.LABEL_LIMIT,  # requests | tokens
         "job",  # Prometheus's target labels, for `up`
         "instance",
     }
@@ -31,7 +28,7 @@ BOUNDED_LABELS = frozenset(
 
 
 def _exported_series() -> set[str]:
-    """Every sample name the engine, the operator and the gateway expose, from their own registries."""
+    """Every sample name the engine and the operator expose, from their own registries."""
     from prometheus_client import REGISTRY
 
     import flotilla.operator.autoscaling.metrics
@@ -45,11 +42,9 @@ def _exported_series() -> set[str]:
         "histogram": ("_bucket", "_count", "_sum"),
         "summary": ("_count", "_sum", ""),
     }
-    from flotilla.gateway.metrics import GatewayMetrics
-
     names = set()
     engine = EngineMetrics("m", lambda: EngineStats()).registry
-    for registry in (engine, REGISTRY, GatewayMetrics().registry):
+    for registry in (engine, REGISTRY):
         for family in registry.collect():
             names.update(family.name + s for s in suffixes.get(family.type, ("",)))
     return names

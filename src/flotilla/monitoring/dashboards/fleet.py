@@ -1,7 +1,6 @@
 """The Fleet dashboard: GPUs allocated and free under quota by GPU type and tenant, the idle GPU share,
-services by state, the gateway (requests by code, rate limits, routing, predicted prefix hits, held
-requests and cold starts, its own latency) and the operator's health (reconciles, errors, latency, API
-calls, webhook refusals)."""
+services by state, and the operator's health (reconciles, errors, latency, API calls, webhook
+refusals)."""
 
 from __future__ import annotations
 
@@ -155,7 +154,6 @@ def dashboard() -> dict:
             width=24,
         ),
     )
-    gateway = _gateway_row()
     operator = g.row(
         "Operator",
         g.stat(
@@ -224,76 +222,9 @@ def dashboard() -> dict:
         FLEET_UID,
         "Flotilla / Fleet",
         "The whole fleet: GPUs allocated and free under quota by GPU type and tenant, the idle GPU share, "
-        "services by state, the gateway, and the operator's health (reconciles, errors, latency, API calls, "
-        "webhook refusals). No series counts GPUs per node, so none is shown by node.",
+        "services by state, and the operator's health (reconciles, errors, latency, API calls, webhook "
+        "refusals). No series counts GPUs per node, so none is shown by node.",
         variables,
-        [gpus, services, gateway, operator],
+        [gpus, services, operator],
         tags=["fleet"],
-    )
-
-
-def _quantile(q: float, histogram: str, by: str = "") -> str:
-    grouping = f"{c.LABEL_LE}, {by}" if by else c.LABEL_LE
-    return f"histogram_quantile({q}, sum by ({grouping}) ({rate(histogram + '_bucket', '')}))"
-
-
-def _gateway_row():
-    requests = c.counter_total(c.GATEWAY_REQUESTS)
-    hits, prompts = c.counter_total(c.GATEWAY_PREDICTED_HIT_TOKENS), c.counter_total(c.GATEWAY_PROMPT_TOKENS)
-    return g.row(
-        "Gateway",
-        g.timeseries(
-            "Gateway requests by status",
-            "Requests the gateway answered per second for the selected tenants, by HTTP status (401: no or "
-            "bad key; 403: another tenant's model; 429: a rate limit, a full hold queue or quota; 503: no "
-            "replica became ready).",
-            g.target(f"sum by ({c.LABEL_CODE}) ({rate(requests, TEN)})", f"{{{{{c.LABEL_CODE}}}}}"),
-            unit="reqps",
-            width=8,
-        ),
-        g.timeseries(
-            "Rate-limited requests",
-            "Requests refused by their tenant's rate limit per second, by tenant and limit (requests or tokens "
-            "per Tenant.spec.rateLimits).",
-            g.target(
-                f"sum by ({c.LABEL_TENANT}, {c.LABEL_LIMIT}) ({rate(c.counter_total(c.GATEWAY_RATE_LIMITED), TEN)})",
-                f"{{{{{c.LABEL_TENANT}}}}} {{{{{c.LABEL_LIMIT}}}}}",
-            ),
-            unit="reqps",
-            width=8,
-        ),
-        g.timeseries(
-            "Routing",
-            "Routing decisions per second by reason, and the predicted prefix-hit share: prompt tokens the "
-            "chosen replica was predicted to hold in its prefix cache, over all prompt tokens routed.",
-            g.target(
-                f"sum by ({c.LABEL_REASON}) ({rate(c.counter_total(c.GATEWAY_ROUTING_DECISIONS), '')})",
-                f"{{{{{c.LABEL_REASON}}}}}",
-            ),
-            g.target(f"sum({rate(hits, '')}) / (sum({rate(prompts, '')}) > 0)", "predicted hit share"),
-            width=8,
-        ),
-        g.timeseries(
-            "Held for a replica",
-            "Requests the gateway holds for a service with no ready replica (scale from zero), by model.",
-            g.target(f"sum by ({c.LABEL_MODEL}) ({c.GATEWAY_HELD_REQUESTS})", f"{{{{{c.LABEL_MODEL}}}}}"),
-            width=8,
-        ),
-        g.timeseries(
-            "Cold start p95",
-            "From a request held at zero replicas to its sending to a ready one, p95 by model.",
-            g.target(_quantile(0.95, c.GATEWAY_COLD_START, c.LABEL_MODEL), f"{{{{{c.LABEL_MODEL}}}}}"),
-            unit="s",
-            width=8,
-        ),
-        g.timeseries(
-            "Gateway latency",
-            "What the gateway adds (arrival to upstream send: keys, limits, tokenizing, routing), p50 and "
-            "p99; and the upstream's time to first byte, p95.",
-            g.target(_quantile(0.5, c.GATEWAY_ADDED_LATENCY), "added p50"),
-            g.target(_quantile(0.99, c.GATEWAY_ADDED_LATENCY), "added p99"),
-            g.target(_quantile(0.95, c.GATEWAY_UPSTREAM_TTFB), "upstream TTFB p95"),
-            unit="s",
-            width=8,
-        ),
     )
