@@ -24,14 +24,26 @@ def test_unknown_flag_is_named():
     assert "unrecognized arguments: --gpu-count" in result.stderr
 
 
+def _free_pair() -> int:
+    """A port that is free with the one after it (etcd's peer port): only the held port may be taken."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two adjacent free ports on 127.0.0.1")
+
+
 def test_port_already_taken_is_named_and_nothing_starts(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            free_port = probe.getsockname()[1]
+        free_port = _free_pair()  # etcd's client port; its peer port is the next one
         result = _flotilla(
             "cluster",
             "up",
