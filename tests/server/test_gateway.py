@@ -261,14 +261,13 @@ def test_keys_tenants_and_bad_input_are_refused_before_any_engine_call(engines, 
 
 
 def test_a_tenant_past_its_request_rate_gets_429_with_retry_after(engines, make_gateway):
-    fleet = HandSetFleet([service("chat", [engines[0].url])], limits={"team-a": RateLimits(1.0, None)})
+    # One request of burst, refilled once in 100 s: the second and third come far sooner, however slow.
+    fleet = HandSetFleet([service("chat", [engines[0].url])], limits={"team-a": RateLimits(0.01, None)})
     gateway = make_gateway(fleet)
-    codes = [post(gateway, chat_body(f"fast {i}")).status_code for i in range(3)]
-    assert codes[0] == 200 and 429 in codes
-    limited = post(gateway, chat_body("again"))
-    if limited.status_code == 429:  # a second may have passed on a slow machine: the bucket refilled
-        error = assert_error(limited, 429, "rate_limit_exceeded", "1 request")
-        assert int(limited.headers["Retry-After"]) >= 1 and error["type"] == "rate_limit_error"
+    responses = [post(gateway, chat_body(f"fast {i}")) for i in range(3)]
+    assert [r.status_code for r in responses] == [200, 429, 429]
+    error = assert_error(responses[1], 429, "rate_limit_exceeded", "request")
+    assert int(responses[1].headers["Retry-After"]) >= 1 and error["type"] == "rate_limit_error"
     assert total(gateway.url, counter_total(GATEWAY_RATE_LIMITED), tenant="team-a", limit="requests") >= 1
 
 
@@ -285,9 +284,13 @@ def test_a_request_at_zero_replicas_is_held_then_served_when_a_replica_is_ready(
 
     def streaming() -> None:
         body = chat_body("wake up too", stream=True)
+        lines: list[str] = []
+        results["lines"] = lines
         with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False,
                           headers={"Authorization": f"Bearer {KEY_A}"}) as rsp:  # fmt: skip
-            results["stream"] = (rsp.status_code, list(rsp.iter_lines()))
+            for line in rsp.iter_lines():
+                lines.append(line)
+            results["stream"] = (rsp.status_code, lines)
 
     threads = [threading.Thread(target=plain), threading.Thread(target=streaming)]
     for t in threads:
@@ -296,7 +299,9 @@ def test_a_request_at_zero_replicas_is_held_then_served_when_a_replica_is_ready(
     while gateway.gateway.holds.held("ns-team-a/chat") < 2 or not fleet.demands:
         assert time.monotonic() < deadline, "the requests were not held, or no demand was signalled"
         time.sleep(0.01)
-    time.sleep(0.2)  # a few heartbeat periods pass while held
+    while not any(line.startswith(": waiting") for line in results.get("lines", [])):  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "no heartbeat reached the held streaming client"
+        time.sleep(0.01)
     warm = replace(cold, desired_replicas=1, endpoints=(Endpoint(engine.url, "chat-0", True, False),))
     gateway.call_soon(lambda: (fleet.set_services([warm]), fleet.changed()))
     for t in threads:
