@@ -127,6 +127,22 @@ QUANTIZATION_METHODS = ("none", "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 DEFAULT_QUANTIZATION_GROUP_SIZE = 128
 
+# Speculative decoding (`--speculative-method`, spec.engine.speculative.method): none, n-gram prompt lookup
+# (no draft model) or a draft model (`--speculative-model`, a smaller model folder with the same tokenizer).
+# K (`--num-speculative-tokens`) proposals are verified in one target forward; above
+# `--speculative-max-batch-size` running requests a step does not speculate (a full batch is compute-bound).
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_SPECULATIVE_MAX_BATCH_SIZE = 4
+# vLLM's spec-decode counters: proposals (one per speculating request and step), draft tokens proposed,
+# draft tokens accepted, and accepted tokens per draft position (label LABEL_POSITION, 0-based).
+SPEC_DECODE_DRAFTS = "flotilla_spec_decode_num_drafts"
+SPEC_DECODE_DRAFT_TOKENS = "flotilla_spec_decode_num_draft_tokens"
+SPEC_DECODE_ACCEPTED_TOKENS = "flotilla_spec_decode_num_accepted_tokens"
+SPEC_DECODE_ACCEPTED_PER_POSITION = "flotilla_spec_decode_num_accepted_tokens_per_pos"
+LABEL_POSITION = "position"
+
 
 def counter_total(name: str) -> str:
     """The exposed sample name of a counter."""
@@ -276,6 +292,10 @@ FLAG_SCHEDULING_POLICY = "--scheduling-policy"
 FLAG_TENANT_WEIGHTS = "--tenant-weights"  # tenant=weight,tenant=weight
 FLAG_QUANTIZATION = "--quantization"  # one of QUANTIZATION_METHODS
 FLAG_QUANTIZATION_GROUP_SIZE = "--quantization-group-size"  # one of QUANTIZATION_GROUP_SIZES (int4)
+FLAG_SPECULATIVE_METHOD = "--speculative-method"  # one of SPECULATIVE_METHODS
+FLAG_NUM_SPECULATIVE_TOKENS = "--num-speculative-tokens"  # 1..MAX_SPECULATIVE_TOKENS
+FLAG_SPECULATIVE_MODEL = "--speculative-model"  # the draft model's folder (method draft)
+FLAG_SPECULATIVE_MAX_BATCH_SIZE = "--speculative-max-batch-size"  # speculate only up to this many running
 FLAG_FETCH_DEST = "--dest"
 
 
@@ -294,6 +314,10 @@ class EngineArgs:
     tenant_weights: tuple[tuple[str, float], ...] = ()  # fair-share weights, for the fair policy
     quantization: str | None = None  # one of QUANTIZATION_METHODS
     quantization_group_size: int | None = None  # one of QUANTIZATION_GROUP_SIZES (int4 only)
+    speculative_method: str | None = None  # one of SPECULATIVE_METHODS
+    num_speculative_tokens: int | None = None
+    speculative_model: str | None = None  # a path in the container (method draft)
+    speculative_max_batch_size: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def flags(self) -> list[str]:
@@ -311,6 +335,10 @@ class EngineArgs:
         flags += _valued(
             (FLAG_QUANTIZATION, self.quantization),
             (FLAG_QUANTIZATION_GROUP_SIZE, self.quantization_group_size),
+            (FLAG_SPECULATIVE_METHOD, self.speculative_method),
+            (FLAG_NUM_SPECULATIVE_TOKENS, self.num_speculative_tokens),
+            (FLAG_SPECULATIVE_MODEL, self.speculative_model),
+            (FLAG_SPECULATIVE_MAX_BATCH_SIZE, self.speculative_max_batch_size),
         )
         return flags + list(self.extra_args)
 

@@ -40,7 +40,7 @@ def _scheduler(policy: str, num_blocks: int = 32, block_size: int = 4, budget: i
 
 def _step(sched: Scheduler):
     out = sched.schedule()
-    sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+    sched.update_from_output(out, {s.request.request_id: [7] for s in out.scheduled if s.samples})
     return out
 
 

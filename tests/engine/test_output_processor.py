@@ -18,7 +18,7 @@ def feed(processor, request, tokens, finish_last_with=None, logprob=None):
         request.append_output_token(token)
         if finish_last_with is not None and i == len(tokens) - 1:
             request.status, request.finish_reason = RequestStatus.FINISHED, finish_last_with
-        processed = processor.process([(request, token, logprob)], now=100.0 + i)
+        processed = processor.process([(request, [token], logprob)], now=100.0 + i)
         outputs += processed.outputs
         stopped += processed.stopped
         if processed.stopped:

@@ -23,7 +23,7 @@ def req(rid, n_prompt, max_tokens=4, priority=0, base=0):
 
 def run_step(sched: Scheduler, token: int = 1):
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [token] for s in out.scheduled if s.samples}
     sched.update_from_output(out, sampled)
     return out
 

@@ -90,7 +90,7 @@ def test_block_accounting_holds_under_any_sequence(ops, num_blocks, block_size, 
             assert out.num_batched_tokens <= budget
             assert len(sched.running) <= 6
             check_invariants(sched)
-            sampled = {s.request.request_id: op[1] for s in out.scheduled if s.samples}
+            sampled = {s.request.request_id: [op[1]] for s in out.scheduled if s.samples}
             sched.update_from_output(out, sampled)
         elif ids:
             rid = ids[op[1] % len(ids)]
@@ -102,7 +102,7 @@ def test_block_accounting_holds_under_any_sequence(ops, num_blocks, block_size, 
         if not sched.has_unfinished():
             break
         out = sched.schedule()
-        sched.update_from_output(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
+        sched.update_from_output(out, {s.request.request_id: [0] for s in out.scheduled if s.samples})
         check_invariants(sched)
     assert not sched.has_unfinished()
     assert sched.kv.pool.num_free_blocks == num_blocks

@@ -6,11 +6,19 @@ import math
 from dataclasses import dataclass, field
 
 from flotilla.contract import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
     DEFAULT_QUANTIZATION_GROUP_SIZE,
+    DEFAULT_SPECULATIVE_MAX_BATCH_SIZE,
+    FLAG_NUM_SPECULATIVE_TOKENS,
     FLAG_QUANTIZATION,
     FLAG_QUANTIZATION_GROUP_SIZE,
+    FLAG_SPECULATIVE_MAX_BATCH_SIZE,
+    FLAG_SPECULATIVE_METHOD,
+    FLAG_SPECULATIVE_MODEL,
+    MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    SPECULATIVE_METHODS,
 )
 
 
@@ -36,8 +44,16 @@ class EngineConfig:
     # (per output channel) or int4 (per group of quantization_group_size input features).
     quantization: str = "none"
     quantization_group_size: int = DEFAULT_QUANTIZATION_GROUP_SIZE
+    # Speculative decoding: none, ngram (prompt lookup) or draft (speculative_model, a smaller model folder
+    # with the same tokenizer); num_speculative_tokens drafts are verified per step, in steps that run at
+    # most speculative_max_batch_size requests.
+    speculative_method: str = "none"
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    speculative_model: str | None = None
+    speculative_max_batch_size: int = DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
 
     def __post_init__(self) -> None:
+        self._check_speculation()
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"{FLAG_QUANTIZATION} {self.quantization}: must be one of {', '.join(QUANTIZATION_METHODS)}"
@@ -68,6 +84,35 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
             )
+
+    def _check_speculation(self) -> None:
+        method = self.speculative_method
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"{FLAG_SPECULATIVE_METHOD} {method}: must be one of {', '.join(SPECULATIVE_METHODS)}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"{FLAG_NUM_SPECULATIVE_TOKENS} {self.num_speculative_tokens}: must be between 1 and "
+                f"{MAX_SPECULATIVE_TOKENS}"
+            )
+        if self.speculative_max_batch_size < 1:
+            raise ValueError(
+                f"{FLAG_SPECULATIVE_MAX_BATCH_SIZE} {self.speculative_max_batch_size}: must be 1 or more"
+            )
+        if method == "draft" and not self.speculative_model:
+            raise ValueError(
+                f"{FLAG_SPECULATIVE_METHOD} draft: needs {FLAG_SPECULATIVE_MODEL} (the draft model's folder)"
+            )
+        if method != "draft" and self.speculative_model:
+            raise ValueError(
+                f"{FLAG_SPECULATIVE_MODEL} {self.speculative_model}: only used with {FLAG_SPECULATIVE_METHOD} "
+                f"draft, not {method}"
+            )
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculative_method != "none"
 
 
 def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:

@@ -14,13 +14,19 @@ from flotilla.contract import (
     FLAG_MAX_NUM_SEQS,
     FLAG_MODEL,
     FLAG_NO_PREFIX_CACHING,
+    FLAG_NUM_SPECULATIVE_TOKENS,
     FLAG_QUANTIZATION,
     FLAG_QUANTIZATION_GROUP_SIZE,
     FLAG_SCHEDULING_POLICY,
+    FLAG_SPECULATIVE_MAX_BATCH_SIZE,
+    FLAG_SPECULATIVE_METHOD,
+    FLAG_SPECULATIVE_MODEL,
     FLAG_TENANT_WEIGHTS,
+    MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     parse_tenant_weights,
 )
 from flotilla.engine.config import EngineConfig
@@ -108,6 +114,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "one of weight 1 when both wait (default: every tenant weighs 1)",
     )
     add_quantization_args(group, defaults)
+    add_speculative_args(group, defaults)
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument(
         "--threads",
@@ -138,6 +145,38 @@ def add_quantization_args(group, defaults: EngineConfig | None = None) -> None:
     )
 
 
+def add_speculative_args(group, defaults: EngineConfig | None = None) -> None:
+    """The speculative-decoding flags (also declared by `bench offline`). Values are checked by
+    EngineConfig, which names the flag, the value and the rule."""
+    defaults = defaults or EngineConfig(model="")
+    group.add_argument(
+        FLAG_SPECULATIVE_METHOD,
+        default=defaults.speculative_method,
+        metavar="{" + ",".join(SPECULATIVE_METHODS) + "}",
+        help="speculative decoding: ngram (drafts looked up in the request's own tokens) or draft (a "
+        f"smaller model, {FLAG_SPECULATIVE_MODEL}); the output distribution stays the model's. Requests with "
+        f"logprobs or penalties decode without it (default {defaults.speculative_method})",
+    )
+    group.add_argument(
+        FLAG_NUM_SPECULATIVE_TOKENS,
+        type=int,
+        default=defaults.num_speculative_tokens,
+        help=f"drafts verified per step, 1 to {MAX_SPECULATIVE_TOKENS} (default {defaults.num_speculative_tokens})",
+    )
+    group.add_argument(
+        FLAG_SPECULATIVE_MODEL,
+        default=defaults.speculative_model,
+        help="the draft model's folder: same tokenizer and vocabulary as --model",
+    )
+    group.add_argument(
+        FLAG_SPECULATIVE_MAX_BATCH_SIZE,
+        type=int,
+        default=defaults.speculative_max_batch_size,
+        help="speculate only in steps that run at most this many requests: a full batch is compute-bound, "
+        f"and verifying drafts there costs more than it saves (default {defaults.speculative_max_batch_size})",
+    )
+
+
 def engine_config_from_args(args: argparse.Namespace, show_progress: bool = False) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -158,4 +197,8 @@ def engine_config_from_args(args: argparse.Namespace, show_progress: bool = Fals
         tenant_weights=dict(args.tenant_weights),
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
+        speculative_max_batch_size=args.speculative_max_batch_size,
     )

@@ -1,9 +1,11 @@
 """LLMEngine: the synchronous core. add_request / step / abort, plus generate() for offline batches.
 
-Each step: the scheduler picks a batch, the model runner runs it and samples, the scheduler appends
-the tokens and applies length/eos stops, and the output processor (text/output_processor.py)
-detokenizes, applies stop strings and builds the outputs; the engine then finishes, in the scheduler,
-the requests a stop string ended. Not thread-safe: AsyncEngine drives it from one worker thread.
+Each step: the scheduler picks a batch, the model runner runs it and samples (or verifies drafts), the
+scheduler appends the tokens and applies length/eos stops, and the output processor
+(text/output_processor.py) detokenizes, applies stop strings and builds the outputs; the engine then
+finishes, in the scheduler, the requests a stop string ended. With speculative decoding it ends the step
+by proposing the next step's drafts for the decoding requests (n-gram lookup or the draft model), in
+slots the scheduler reserves. Not thread-safe: AsyncEngine drives it from one worker thread.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.fair_share import FairShareConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
-from flotilla.engine.core.outputs import EngineStats, RequestOutput, TenantStats
+from flotilla.engine.core.ngram_proposer import NgramProposer
+from flotilla.engine.core.outputs import EngineStats, RequestOutput, SpecDecodeStats, TenantStats
 from flotilla.engine.core.request import FinishReason, Request
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -34,7 +37,21 @@ class LLMEngine:
         folder = Path(config.model)
         self.model_config = ModelConfig.from_file(folder / "config.json")
         self.tokenizer = load_tokenizer(folder)
-        self.runner = ModelRunner(config, self.model_config)
+        draft_config = None
+        if config.speculative_method == "draft" and config.speculative_model:
+            from flotilla.engine.worker.draft_check import check_draft_model
+
+            draft_config = check_draft_model(
+                config.speculative_model, self.model_config, self.tokenizer, config.max_model_len
+            )
+        self.runner = ModelRunner(config, self.model_config, draft_config)
+        self.proposer = self.runner.drafter or (
+            NgramProposer() if config.speculative_method == "ngram" else None
+        )
+        # Every draft position has a counter from the start, so its series exists before the first draft.
+        self.spec_stats = SpecDecodeStats(
+            accepted_per_position=[0] * config.num_speculative_tokens if config.speculates else []
+        )
         self.model_info = self.runner.model_info
         self.max_model_len = self.runner.max_model_len
         self.kv_manager = KVCacheManager(
@@ -132,8 +149,13 @@ class LLMEngine:
         """Drops a request (its client went away); its KV blocks are freed at once."""
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         self.output_processor.abort(request_id, was_unfinished=request is not None)
-        self.runner.sampler.forget(request_id)
+        self._forget(request_id)
         return request is not None
+
+    def _forget(self, request_id: str) -> None:
+        self.runner.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -143,21 +165,49 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        sample_requests, result = self.runner.execute(sched)
-        sampled = {r.request_id: t for r, t in zip(sample_requests, result.token_ids, strict=True)}
-        logprobs = {r.request_id: lp for r, lp in zip(sample_requests, result.logprobs, strict=True)}
+        result = self.runner.execute(sched)
+        for item in sched.scheduled:
+            if item.spec_token_ids and item.request.request_id in result.tokens:
+                self.spec_stats.observe(
+                    len(item.spec_token_ids), len(result.tokens[item.request.request_id]) - 1
+                )
         now = time.time()
         self._num_steps += 1
-        updated = self.scheduler.update_from_output(sched, sampled)
+        updated = self.scheduler.update_from_output(sched, result.tokens)
         processed = self.output_processor.process(
-            [(request, token, logprobs[request.request_id]) for request, token in updated], now
+            [(request, tokens, result.logprobs.get(request.request_id)) for request, tokens in updated], now
         )
         for request_id in processed.stopped:
             self.scheduler.finish_request(request_id, FinishReason.STOP)
         for output in processed.outputs:
             if output.finished:
-                self.runner.sampler.forget(output.request_id)
+                self._forget(output.request_id)
+        if self.proposer is not None:
+            self._propose_drafts()
         return processed.outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step, for each decoding request that can use them, while the batch is small
+        enough that verifying them is cheaper than what they save."""
+        running = self.scheduler.running
+        if len(running) > self.config.speculative_max_batch_size:
+            return
+        batch = []
+        for request in running:
+            params = request.sampling_params
+            if not request.is_decoding or params.speculation_opt_out is not None:
+                continue
+            # The step after always adds one token of its own: drafts beyond max_tokens - 1 are wasted.
+            room = self.config.num_speculative_tokens
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            num_drafts = self.scheduler.reserve_draft_slots(request, room) if room > 0 else 0
+            if num_drafts:
+                batch.append((request, num_drafts))
+        if batch:
+            assert self.proposer is not None
+            for (request, _k), drafts in zip(batch, self.proposer.propose(batch), strict=True):
+                request.spec_token_ids = drafts
 
     # -- metrics -----------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -176,6 +226,7 @@ class LLMEngine:
             kv_cache_usage=self.kv_manager.usage(),
             num_steps=self._num_steps,
             tenants=self._tenant_stats(),
+            spec_decode=self.spec_stats.copy(),
         )
 
     def _tenant_stats(self) -> dict[str, TenantStats]:

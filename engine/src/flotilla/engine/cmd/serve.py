@@ -79,6 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from flotilla.engine.model.config import ModelConfig, ModelLoadError, check_quantization
     from flotilla.engine.server.run import ServerSettings, run_server
     from flotilla.engine.text.tokenizer import load_tokenizer
+    from flotilla.engine.worker.draft_check import check_draft_model
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -96,7 +97,9 @@ def run_serve(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, cpu_threads=serving_threads())
         model_config = ModelConfig.from_file(folder / "config.json")
         check_quantization(model_config, config.quantization, config.quantization_group_size)
-        load_tokenizer(folder)
+        tokenizer = load_tokenizer(folder)
+        if config.speculative_model:
+            check_draft_model(config.speculative_model, model_config, tokenizer, config.max_model_len)
     except (ModelLoadError, ValueError) as exc:
         print(f"flotilla engine serve: {exc}", file=sys.stderr)
         return 2

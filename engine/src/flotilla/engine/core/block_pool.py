@@ -48,6 +48,15 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free += 1
+
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         assert prev is not None and nxt is not None, f"{block} is not in the free list"
@@ -113,6 +122,16 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+
+    def free_uncached(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each on blocks that hold nothing worth caching (rejected drafts' KV): at
+        zero they go to the head of the free list, so they are reused before any cached block is evicted."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            assert block.block_hash is None, f"{block} is in the prefix cache"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.appendleft(block)
 
     def lookup(self, block_hash: int, hash_key: tuple) -> KVBlock | None:
         block = self.cached.get(block_hash)

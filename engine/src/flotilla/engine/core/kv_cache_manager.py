@@ -108,6 +108,20 @@ class KVCacheManager:
         if end > start:
             self._num_registered[request.request_id] = end
 
+    def release_unverified(self, request: Request) -> None:
+        """After verifying drafts: the blocks past the request's computed (verified) tokens go back to the
+        pool. They hold only rejected drafts' KV, and were never registered (registration stops at the
+        full blocks of the request's known tokens)."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            del request.block_ids[keep:]
+            self.pool.free_uncached(extra)
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# What the sampler gives per token when logprobs are asked for: (the token's logprob, the top ones).
+SampledLogprob = tuple[float, list[tuple[int, float]]]
+
 
 @dataclass
 class TokenLogprob:
@@ -45,6 +48,41 @@ class TenantStats:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters since start, as vLLM counts them: one draft per request and step
+    that verified drafts, the draft tokens verified, those accepted, and accepted tokens per draft position
+    (the acceptance at position i is accepted_per_position[i] / num_drafts)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verifying step: the accepted drafts plus the one the target always adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
+        )
+
+
+@dataclass
 class EngineStats:
     """Monotonic counters (the server turns them into Prometheus counters) plus the latest gauges."""
 
@@ -60,6 +98,7 @@ class EngineStats:
     num_steps: int = 0
     # Per request tenant ("" is the engine's own when none was named), in the order tenants first arrived.
     tenants: dict[str, TenantStats] = field(default_factory=dict)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 @dataclass(frozen=True)

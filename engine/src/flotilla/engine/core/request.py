@@ -49,6 +49,10 @@ class Request:
         # all_token_ids = prompt + outputs; KV exists for the first num_computed_tokens of them.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Speculative decoding: the tokens proposed for the next step (verified there, never cached before),
+        # and how many of all_token_ids have KV in the draft model's cache.
+        self.spec_token_ids: list[int] = []
+        self.num_draft_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_ids: list[int] = []
@@ -76,6 +80,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    @property
+    def is_decoding(self) -> bool:
+        """All known tokens but the last have KV: the next step computes one token (plus any drafts)."""
+        return self.num_computed_tokens == self.num_tokens - 1
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drops the output tokens after the first num_output_tokens (a stop string ended the text there,
+        inside a step that appended several)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]

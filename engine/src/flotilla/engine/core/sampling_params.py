@@ -61,5 +61,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def speculation_opt_out(self) -> str | None:
+        """Why speculative decoding cannot serve this request (it then decodes one token per step), or
+        None. Logprobs would have to be those of the processed target distribution at every accepted
+        position, and penalties change with every accepted token; neither is done here."""
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.has_penalties:
+            return "penalties"
+        return None
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -6,6 +6,12 @@ other requests keep decoding in the same step. Running requests are served first
 (policy.py: fcfs, priority or tenant-fair); when the KV pool runs dry the last of that order is preempted
 (its blocks freed, recomputed later). Waiting requests are admitted in the policy's order only in steps
 that preempted nothing. Plain Python, no torch.
+
+Speculative decoding adds no phase either: a decoding request that carries draft tokens (proposed after
+the previous step, their KV slots already reserved by reserve_draft_slots) computes its last token and
+the drafts in one chunk, and the model returns 1..K+1 verified tokens. Its computed tokens then stop at
+the verified ones and the blocks past them go back to the pool (the rejected drafts' KV is rolled back);
+only blocks full of verified tokens are ever registered in the prefix cache.
 """
 
 from __future__ import annotations
@@ -42,11 +48,20 @@ class ScheduledRequest:
     num_computed_tokens: int
     # True when this chunk reaches the end of the known tokens, so its last logits pick a token.
     samples: bool = False
+    # Draft tokens verified in this step; they are the last len(spec_token_ids) of the num_new_tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int, num_computed_tokens: int) -> ScheduledRequest:
-        samples = num_computed_tokens + num_new_tokens == request.num_tokens
-        return cls(request, num_new_tokens, num_computed_tokens, samples)
+    def of(
+        cls,
+        request: Request,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        spec_token_ids: list[int] | None = None,
+    ) -> ScheduledRequest:
+        spec = spec_token_ids or []
+        samples = num_computed_tokens + num_new_tokens - len(spec) == request.num_tokens
+        return cls(request, num_new_tokens, num_computed_tokens, samples, spec)
 
 
 @dataclass
@@ -121,6 +136,8 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -141,6 +158,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            spec = self._drafts_to_verify(request, budget)
+            num_new += len(spec)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]  # last in the policy's order
                 self._preempt(victim)
@@ -148,7 +167,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest.of(request, num_new, request.num_computed_tokens))
+                out.scheduled.append(ScheduledRequest.of(request, num_new, request.num_computed_tokens, spec))
                 budget -= num_new
                 i += 1
                 continue
@@ -157,6 +176,27 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts that fit this step's budget and the context (a draft at position p needs
+        p < max_model_len); the request keeps none of them: the next proposal replaces them."""
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec or not request.is_decoding:
+            return []
+        room = min(budget - 1, self.config.max_model_len - request.num_tokens)
+        return spec[: max(room, 0)]
+
+    def reserve_draft_slots(self, request: Request, num_drafts: int) -> int:
+        """Reserves KV slots for a decoding request's next token and up to num_drafts drafts after it, so
+        that the draft model can write its KV there and the next step verifies without allocating. Returns
+        how many drafts fit: fewer near the context's end, none when the pool is short (speculation never
+        preempts)."""
+        if request.status != RequestStatus.RUNNING or not request.is_decoding:
+            return 0
+        num_drafts = min(num_drafts, self.config.max_model_len - request.num_tokens)
+        if num_drafts < 1 or not self.kv.allocate_slots(request, 1 + num_drafts):
+            return 0
+        return num_drafts
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -178,25 +218,39 @@ class Scheduler:
             budget -= num_new
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[tuple[Request, int | None]]:
-        """Advance computed tokens and append sampled tokens. Returns, for each request that sampled,
-        (request, token); finished requests have already released their blocks."""
-        results: list[tuple[Request, int | None]] = []
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[tuple[Request, list[int]]]:
+        """Advance computed tokens and append the sampled tokens: one per request that sampled, or, after
+        verifying drafts, the accepted drafts and one more. Returns (request, tokens appended) for each
+        request that sampled; tokens after a stop are dropped, and finished requests have already released
+        their blocks."""
+        results: list[tuple[Request, list[int]]] = []
         for item in out.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             if not item.samples:
+                request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
                 continue
-            token = sampled[request.request_id]
-            request.append_output_token(token)
-            self.ledger.charge_generated(request.tenant)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.finish_request(request.request_id, reason)
-            results.append((request, token))
+            tokens = sampled[request.request_id]
+            num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
+            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens - num_rejected
+            if item.spec_token_ids:
+                self.kv.release_unverified(request)
+            # The draft model's KV holds what it was fed, which is verified only up to here.
+            request.num_draft_computed_tokens = min(
+                request.num_draft_computed_tokens, request.num_computed_tokens
+            )
+            appended: list[int] = []
+            for token in tokens:
+                request.append_output_token(token)
+                appended.append(token)
+                self.ledger.charge_generated(request.tenant)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    self.finish_request(request.request_id, reason)
+                    break
+            results.append((request, appended))
         return results
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

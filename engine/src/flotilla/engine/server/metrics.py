@@ -45,6 +45,7 @@ from flotilla.contract import (
     LABEL_DTYPE,
     LABEL_FINISH_REASON,
     LABEL_MODEL,
+    LABEL_POSITION,
     LABEL_QUANTIZATION,
     LABEL_QUANTIZATION_GROUP_SIZE,
     LABEL_SERVICE,
@@ -60,6 +61,10 @@ from flotilla.contract import (
     PREFIX_CACHE_QUERIES,
     PROMPT_TOKENS,
     REQUEST_SUCCESS,
+    SPEC_DECODE_ACCEPTED_PER_POSITION,
+    SPEC_DECODE_ACCEPTED_TOKENS,
+    SPEC_DECODE_DRAFT_TOKENS,
+    SPEC_DECODE_DRAFTS,
     TENANT_GENERATION_TOKENS,
     TENANT_NUM_REQUESTS_WAITING,
     TENANT_PROMPT_TOKENS,
@@ -67,7 +72,7 @@ from flotilla.contract import (
     TENANT_VIRTUAL_TOKEN_COUNTER,
     TIME_TO_FIRST_TOKEN,
 )
-from flotilla.engine.core.outputs import EngineStats, ModelInfo, RequestOutput, TenantStats
+from flotilla.engine.core.outputs import EngineStats, ModelInfo, RequestOutput, SpecDecodeStats, TenantStats
 
 LABELS = ENGINE_LABELS
 DEFAULT_MAX_TENANT_LABELS = 32  # distinct request tenants the per-tenant series name; the rest: OTHER_TENANT
@@ -154,6 +159,22 @@ class _StatsCollector:
             finished.add_metric([*values, reason], count)
         yield finished
         yield from self._per_tenant(stats.tenants)
+        yield from self._spec_decode(stats.spec_decode, counter)
+
+    def _spec_decode(self, spec: SpecDecodeStats, counter) -> Iterator[CounterMetricFamily]:
+        """vLLM's speculative-decoding counters; all zero when the engine does not speculate."""
+        yield counter(SPEC_DECODE_DRAFTS, "Steps in which a request verified drafts.", spec.num_drafts)
+        yield counter(SPEC_DECODE_DRAFT_TOKENS, "Draft tokens verified.", spec.num_draft_tokens)
+        yield counter(SPEC_DECODE_ACCEPTED_TOKENS, "Draft tokens accepted.", spec.num_accepted_tokens)
+        names, values = list(self._labels), list(self._labels.values())
+        per_position = CounterMetricFamily(
+            SPEC_DECODE_ACCEPTED_PER_POSITION,
+            "Draft tokens accepted, by position in the draft (0 is the first).",
+            labels=[*names, LABEL_POSITION],
+        )
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*values, str(position)], count)
+        yield per_position
 
     def _per_tenant(
         self, tenants: dict[str, TenantStats]

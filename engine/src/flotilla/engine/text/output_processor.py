@@ -14,13 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from flotilla.engine.core.outputs import RequestOutput, TokenLogprob
+from flotilla.engine.core.outputs import RequestOutput, SampledLogprob, TokenLogprob
 from flotilla.engine.core.request import FinishReason, Request
 from flotilla.engine.text.detokenizer import IncrementalDetokenizer
 from flotilla.engine.text.tokenizer import ModelTokenizer
-
-# What the sampler gives per token when logprobs are asked for: (the token's logprob, the top ones).
-SampledLogprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -63,23 +60,32 @@ class OutputProcessor:
             self._count_finish(FinishReason.ABORT)
 
     def process(
-        self, sampled: Sequence[tuple[Request, int, SampledLogprob | None]], now: float
+        self, sampled: Sequence[tuple[Request, list[int], SampledLogprob | None]], now: float
     ) -> ProcessedOutputs:
-        """One step's tokens, each already appended to its request (and length/eos stops applied)."""
+        """One step's tokens per request (one, or several after verified drafts), each already appended
+        to its request, with length/eos stops applied; logprobs come only with a single token."""
         processed = ProcessedOutputs()
-        for request, token, logprob in sampled:
-            output, stopped = self._process_token(request, token, logprob, now)
+        for request, tokens, logprob in sampled:
+            output, stopped = self._process_tokens(request, tokens, logprob, now)
             processed.outputs.append(output)
             if stopped:
                 processed.stopped.append(request.request_id)
         return processed
 
-    def _process_token(
-        self, request: Request, token: int, logprob: SampledLogprob | None, now: float
+    def _process_tokens(
+        self, request: Request, tokens: list[int], logprob: SampledLogprob | None, now: float
     ) -> tuple[RequestOutput, bool]:
         state = self._states[request.request_id]
-        self._record_token(request, state, token, logprob, now)
-        stopped = self._detokenize(request, state, token)
+        first_output = request.num_output_tokens - len(tokens)
+        stopped = False
+        for i, token in enumerate(tokens):
+            self._record_token(request, state, token, logprob, now)
+            last = i == len(tokens) - 1
+            stopped = self._detokenize(request, state, token, first_output + i + 1, last)
+            if stopped and not last:
+                # A stop string ended the text inside this step's tokens: the ones after it were never output.
+                request.truncate_output(first_output + i + 1)
+                break
         finished = request.is_finished or stopped
         reason = FinishReason.STOP if stopped else request.finish_reason
         output = self._delta(request, state, finished, reason)
@@ -107,19 +113,23 @@ class OutputProcessor:
         if logprob is not None and state.logprobs is not None:
             state.logprobs.append(TokenLogprob(token, logprob[0], logprob[1]))
 
-    def _detokenize(self, request: Request, state: _RequestState, token: int) -> bool:
-        """Adds the token's text; True when a stop string ends the request (the text is cut before it)."""
+    def _detokenize(
+        self, request: Request, state: _RequestState, token: int, num_output_tokens: int, last: bool
+    ) -> bool:
+        """Adds the token's text (the request's num_output_tokens-th); True when a stop string ends the
+        request (the text is cut before it)."""
         params = request.sampling_params
         detok = state.detokenizer
         detok.add(token)
-        if params.stop and not request.is_finished and request.num_output_tokens >= params.min_tokens:
+        ended = request.is_finished and last
+        if params.stop and not ended and num_output_tokens >= params.min_tokens:
             # Only the tail can hold a new match: what was emitted was already searched.
             window = len(detok.text) - (max(map(len, params.stop)) + 8)
             hit = find_stop(detok.text, params.stop, max(window, state.emitted_chars, 0))
             if hit is not None:
                 detok.text = detok.text[:hit]
                 return True
-        elif request.is_finished:
+        elif ended:
             detok.flush()
         return False
 

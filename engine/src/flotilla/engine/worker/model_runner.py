@@ -1,22 +1,26 @@
 """Runs one forward pass over a scheduled batch: builds the flat inputs and the paged-attention metadata,
-owns the KV cache tensors, and samples."""
+owns the KV cache tensors, and samples, or verifies drafts (rejection_sampler.py). With a draft model it
+also owns the draft proposer, whose KV cache shares the target's block layout (draft_proposer.py)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
 
 from flotilla.engine.config import EngineConfig, blocks_for_budget
-from flotilla.engine.core.outputs import ModelInfo
-from flotilla.engine.core.request import Request
+from flotilla.engine.core.outputs import ModelInfo, SampledLogprob
 from flotilla.engine.core.scheduler import SchedulerOutput
-from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from flotilla.engine.kernels.attention import TorchAttentionBackend
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model, resolve_device, resolve_dtype
 from flotilla.engine.model.quantize import bf16_weight_bytes, kernels_in_use, weight_bytes
-from flotilla.engine.worker.sampler import SAMPLER_LABEL, Sampler, SampleResult
+from flotilla.engine.worker.batch import BatchRow, build_batch
+from flotilla.engine.worker.draft_proposer import DraftProposer
+from flotilla.engine.worker.rejection_sampler import RejectionSampler
+from flotilla.engine.worker.sampler import SAMPLER_LABEL, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +35,21 @@ def pick_backend(name: str, device: torch.device):
     return TritonAttentionBackend()
 
 
+@dataclass
+class StepResult:
+    # Per request that sampled: its new tokens (one, or the accepted drafts and one more).
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Per request that asked for logprobs (never a speculating one): those of its one token.
+    logprobs: dict[str, SampledLogprob | None] = field(default_factory=dict)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, draft_config: ModelConfig | None = None
+    ) -> None:
         self.config = config
         self.model_config = model_config
+        self.draft_config = draft_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         max_len = config.max_model_len or model_config.max_position_embeddings
@@ -81,9 +96,27 @@ class ModelRunner:
         ]
         self.backend = pick_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.drafter: DraftProposer | None = None
+        if draft_config is not None and config.speculative_model:
+            self.drafter = DraftProposer(
+                config.speculative_model,
+                draft_config,
+                device=self.device,
+                dtype=self.dtype,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                backend=self.backend,
+                sampler=self.sampler,
+                show_progress=config.show_progress,
+            )
 
     def _num_kv_blocks(self) -> int:
-        bytes_per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        dtype_size = torch.finfo(self.dtype).bits // 8
+        bytes_per_token = self.model_config.kv_bytes_per_token(dtype_size)
+        if self.draft_config is not None:
+            bytes_per_token += self.draft_config.kv_bytes_per_token(dtype_size)  # its cache shares the blocks
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -99,62 +132,56 @@ class ModelRunner:
             )
         return blocks
 
-    def _prepare(self, out: SchedulerOutput):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens, seq_lens, tables = [], [], []
-        decode_reqs, prefill_reqs, decode_rows = [], [], []
-        sample_rows: list[int] = []
-        sample_requests: list[Request] = []
-        for r, item in enumerate(out.scheduled):
-            req, n, start = item.request, item.num_new_tokens, item.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            blocks = req.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_reqs.append(r)
-                decode_rows.append(query_start[-1])
-            else:
-                prefill_reqs.append(r)
-            query_start.append(query_start[-1] + n)
-            context_lens.append(start)
-            seq_lens.append(start + n)
-            tables.append(blocks)
-            if item.samples:
-                sample_rows.append(query_start[-1] - 1)
-                sample_requests.append(req)
-        width = max(len(t) for t in tables)
-        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
-            query_start=query_start,
-            context_lens=context_lens,
-            seq_lens=seq_lens,
-            block_tables=table_tensor.to(dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            decode_requests=decode_reqs,
-            prefill_requests=prefill_reqs,
-            decode_token_index=torch.tensor(decode_rows, dtype=torch.long).to(dev),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long).to(dev)
-        pos = torch.tensor(positions, dtype=torch.long).to(dev)
-        return ids, pos, meta, sample_rows, sample_requests
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SampleResult]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         # The thread count is per calling thread under OpenMP, and a server steps on its own thread.
         threads = self.config.cpu_threads
         if threads and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        ids, pos, meta, sample_rows, sample_requests = self._prepare(out)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        if not sample_requests:
-            return [], SampleResult([], [])
+        rows = []
+        for item in out.scheduled:
+            request, start = item.request, item.num_computed_tokens
+            known = request.all_token_ids[start : start + item.num_new_tokens - len(item.spec_token_ids)]
+            rows.append(BatchRow(known + item.spec_token_ids, start, request.block_ids))
+        batch = build_batch(rows, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        # The rows whose logits pick tokens: a sampling request's last, and one more per draft before it.
+        sample_rows: list[int] = []
+        sampling = []
+        for item, end in zip(out.scheduled, batch.row_ends, strict=True):
+            if item.samples:
+                sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
+                sampling.append(item)
+        result = StepResult()
+        if not sampling:
+            return result
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         with record_function(SAMPLER_LABEL):
-            return sample_requests, self.sampler(logits, sample_requests)
+            plain_rows, plain_requests, offset = [], [], 0
+            for item in sampling:
+                request, k = item.request, len(item.spec_token_ids)
+                if k:
+                    drafts_probs = self.drafter.take_probs(request.request_id) if self.drafter else None
+                    result.tokens[request.request_id] = self.rejection_sampler(
+                        logits[offset : offset + k + 1],
+                        request,
+                        item.spec_token_ids,
+                        None if drafts_probs is None else drafts_probs[:k],
+                    )
+                else:
+                    plain_rows.append(offset)
+                    plain_requests.append(request)
+                offset += k + 1
+            if plain_requests:
+                sampled = self.sampler(logits[plain_rows], plain_requests)
+                for request, token, logprob in zip(
+                    plain_requests, sampled.token_ids, sampled.logprobs, strict=True
+                ):
+                    result.tokens[request.request_id] = [token]
+                    result.logprobs[request.request_id] = logprob
+        return result

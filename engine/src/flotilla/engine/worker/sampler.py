@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flotilla.engine.core.outputs import SampledLogprob
 from flotilla.engine.core.request import Request
+from flotilla.engine.core.sampling_params import SamplingParams
 
 # The torch.profiler range around one step's sampling: `bench offline` groups it as sampling.
 SAMPLER_LABEL = "flotilla.sampler"
@@ -20,8 +22,7 @@ SAMPLER_LABEL = "flotilla.sampler"
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # Per row, when asked: (logprob of the sampled token, [(token, logprob)] of the top ones).
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    logprobs: list[SampledLogprob | None]  # per row
 
 
 class Sampler:
@@ -32,7 +33,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def generator(self, request: Request) -> torch.Generator:
         gen = self._generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
@@ -73,41 +74,60 @@ class Sampler:
         return SampleResult(token_list, logprobs)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temps[:, None]
-        vocab = logits.shape[-1]
+        probs = processed_probs(logits, [r.sampling_params for r in requests])
+        return self.draw(probs, requests)
 
-        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        if any(k < vocab for k in top_ks):
-            kth = logits.topk(max(top_ks), dim=-1).values
-            ks = torch.tensor(top_ks, device=logits.device) - 1
-            kth = kth.gather(1, ks.clamp(max=kth.shape[1] - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-
-        if any(p.top_p < 1.0 for p in params):
-            top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
-            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            logits = logits.masked_fill(drop, float("-inf"))
-
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
-            floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
-            probs = probs.masked_fill(probs < floor, 0.0)
-
+    def draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row of probs (rows need not sum to 1): the argmax of p / Exp(1) noise, the noise
+        from the row's request's generator when it has a seed."""
         noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), vocab), device=probs.device).exponential_()
+            noise[unseeded] = torch.empty(
+                (len(unseeded), probs.shape[-1]), device=probs.device
+            ).exponential_()
         for i, request in enumerate(requests):
-            if params[i].seed is not None:
-                noise[i].exponential_(generator=self._generator(request))
+            if request.sampling_params.seed is not None:
+                noise[i].exponential_(generator=self.generator(request))
         return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, request: Request, count: int) -> torch.Tensor:
+        """count draws from U[0, 1), from the request's generator when it has a seed."""
+        if request.sampling_params.seed is None:
+            return torch.rand(count, device=self.device)
+        return torch.rand(count, device=self.device, generator=self.generator(request))
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, then top-k, top-p and min-p (one row of
+    params per row of logits; temperature > 0). Rows are probabilities that may no longer sum to 1 after
+    min-p, which only matters up to normalisation."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits.float() / temps[:, None]
+    vocab = logits.shape[-1]
+
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_ks):
+        kth = logits.topk(max(top_ks), dim=-1).values
+        ks = torch.tensor(top_ks, device=logits.device) - 1
+        kth = kth.gather(1, ks.clamp(max=kth.shape[1] - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+
+    if any(p.top_p < 1.0 for p in params):
+        top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+        floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
 
 
 def _apply_penalties(row: torch.Tensor, request: Request) -> None:
