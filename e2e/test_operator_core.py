@@ -97,6 +97,10 @@ def test_schema_rejects_malformed_input_naming_the_field(cluster, operator, name
         "spec.replicas": {"replicas": -1},
         "spec.engine.dtype": {"engine": {"dtype": "int3"}},
         "spec.engine.schedulingPolicy": {"engine": {"schedulingPolicy": "lottery"}},
+        "spec.engine.speculative.method": {"engine": {"speculative": {"method": "medusa"}}},
+        "spec.engine.speculative.numSpeculativeTokens": {
+            "engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}
+        },
         "spec.resources.gpus": {"resources": {"gpus": 99, "gpuType": "h100"}},
         "replicaz": {"replicaz": 3},  # unknown fields are refused by kubectl's strict field validation
     }
@@ -134,8 +138,20 @@ def test_schema_rejects_malformed_input_naming_the_field(cluster, operator, name
             "UnknownGPUType",
             "no node has GPU type 'a100'",
         ),
+        (
+            None,
+            {"engine": {"speculative": {"method": "ngram", "model": {"uri": "hf://acme/draft"}}}},
+            "InvalidSpeculative",
+            "spec.engine.speculative.model: method 'ngram' takes no draft model, got uri 'hf://acme/draft'",
+        ),
+        (
+            None,
+            {"engine": {"quantization": "int8", "quantizationGroupSize": 64}},
+            "InvalidQuantization",
+            "spec.engine.quantizationGroupSize: 64 is set while quantization is 'int8'",
+        ),
     ],
-    ids=["scheme", "missing-path", "min-over-max", "gpu-type"],
+    ids=["scheme", "missing-path", "min-over-max", "gpu-type", "ngram-with-model", "group-size-without-int4"],
 )
 def test_wrong_meaning_is_invalid_with_a_warning_and_nothing_created(
     cluster, operator, namespace, model_dir, uri, override, reason, words
@@ -207,6 +223,23 @@ def test_service_gets_owned_children_pods_and_status(cluster, operator, namespac
     table = cluster.kubectl("get", "fisvc", "chat", "-n", namespace).stdout
     for column in ("READY", "REPLICAS", "GPUS", "MODEL", "AGE"):
         assert column in table
+
+
+def test_a_draft_model_is_mounted_beside_the_served_one(cluster, operator, namespace, model_dir, tmp_path):
+    draft_dir = tmp_path / "tiny-draft"
+    draft_dir.mkdir()
+    speculative = {"method": "draft", "numSpeculativeTokens": 3, "model": {"uri": f"file://{draft_dir}"}}
+    cluster.apply(_isvc("spec", model_dir, engine={"speculative": speculative}), namespace)
+    _condition(cluster, namespace, "spec", "Valid", "True")
+    # The API server took the pod template: two host paths under distinct volume names.
+    (pod,) = wait_for(lambda: _pods(cluster, namespace, "spec"), 60, "the pod")
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[command.index("--speculative-method") + 1] == "draft", command
+    assert command[command.index("--speculative-model") + 1] == str(draft_dir), command
+    assert command[command.index("--num-speculative-tokens") + 1] == "3", command
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["model"]["hostPath"]["path"] == str(model_dir)
+    assert volumes["draft-model"]["hostPath"]["path"] == str(draft_dir)
 
 
 def test_kubectl_scale_changes_the_pods(cluster, operator, namespace, model_dir):

@@ -34,7 +34,9 @@ ENGINE_SETTINGS = [
     {"schedulingPolicy": "priority"},
     {"quantization": "int8"},
     {"quantization": "int4", "quantizationGroupSize": 64},
-    {"quantization": "none", "quantizationGroupSize": 32},
+    {"quantization": "none"},
+    {"speculative": {"method": "ngram", "numSpeculativeTokens": 8, "maxBatchSize": 2}},
+    {"speculative": {"method": "draft", "model": {"uri": "file:///models/tiny-draft"}}},
     {
         "maxNumSeqs": 64,
         "maxNumBatchedTokens": 4096,
@@ -96,6 +98,12 @@ def test_every_engine_command_parses_with_the_engines_cli(spec: InferenceService
     default = EngineConfig(model="")  # unset settings keep the engine's defaults
     assert args.quantization == (engine.quantization or default.quantization)
     assert args.quantization_group_size == (engine.quantization_group_size or default.quantization_group_size)
+    speculative = engine.speculative
+    assert args.speculative_method == (speculative.method if speculative else default.speculative_method)
+    tokens = speculative.num_speculative_tokens if speculative else None
+    assert args.num_speculative_tokens == (tokens or default.num_speculative_tokens)
+    batch = speculative.max_batch_size if speculative else None
+    assert args.speculative_max_batch_size == (batch or default.speculative_max_batch_size)
     # The tenants' fair-share weights reach fair engines only (others must not roll on a weight change).
     fair = engine.scheduling_policy == "fair"
     assert args.tenant_weights == ({"team-b": 0.5, "team-c": 3.0} if fair else {})
@@ -104,6 +112,15 @@ def test_every_engine_command_parses_with_the_engines_cli(spec: InferenceService
     # The model path the engine reads is the one the volumes put there.
     mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
     assert any(args.model == p or args.model.startswith(p.rstrip("/") + "/") for p in mounted)
+    if speculative is not None and speculative.method == "draft":
+        draft = args.speculative_model
+        assert any(draft == p or draft.startswith(p.rstrip("/") + "/") for p in mounted)
+    else:
+        assert args.speculative_model is None
+    # The engine's own checks of the settings together (EngineConfig) pass too.
+    from flotilla.engine.engine_args import engine_config_from_args
+
+    engine_config_from_args(args)
 
 
 @pytest.mark.parametrize(("spec", "pod"), _pods())
@@ -133,6 +150,20 @@ def test_the_specs_quantization_values_are_the_contracts() -> None:
     assert get_args(methods) == contract.QUANTIZATION_METHODS
     (sizes, _none) = get_args(fields["quantization_group_size"].annotation)
     assert get_args(sizes) == contract.QUANTIZATION_GROUP_SIZES
+
+
+def test_the_specs_speculative_values_are_the_contracts() -> None:
+    from typing import get_args
+
+    from annotated_types import Ge, Le
+
+    from flotilla.operator.api.v1alpha1 import Speculative
+
+    fields = Speculative.model_fields
+    # Every method but "none", which is spec.engine.speculative left out.
+    assert ("none", *get_args(fields["method"].annotation)) == contract.SPECULATIVE_METHODS
+    bounds = fields["num_speculative_tokens"].metadata
+    assert Ge(1) in bounds and Le(contract.MAX_SPECULATIVE_TOKENS) in bounds
 
 
 def test_schemes_that_need_a_download_get_an_init_container() -> None:

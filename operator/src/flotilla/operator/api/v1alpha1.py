@@ -65,6 +65,41 @@ class ModelSource(_Model):
     )
 
 
+# spec.engine.speculative.model: where the draft model's files come from (the schemes of spec.model.uri).
+class DraftModelSource(_Model):
+    uri: str = Field(
+        min_length=1,
+        description="file:///path (a path on the node), pvc://claim/path, hf://org/name or "
+        "https://host/model.tar.gz; a smaller model with the served model's tokenizer",
+    )
+
+
+# spec.engine.speculative: speculative decoding. The methods are flotilla.contract.SPECULATIVE_METHODS less
+# "none" (leave speculative out instead), and the token bound is MAX_SPECULATIVE_TOKENS (a test checks).
+# Which method takes a model is a cross-field rule: desired/validation.py.
+class Speculative(_Model):
+    method: Literal["ngram", "draft"] = Field(
+        description="ngram (proposals copied from the request's own earlier tokens; no model) or draft (a "
+        "smaller model proposes; needs model)",
+    )
+    num_speculative_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="tokens proposed per step, all verified in one forward of the served model (the "
+        "engine's default 4)",
+    )
+    max_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="speculate only while at most this many requests run (the engine's default 4); a "
+        "fuller batch is compute-bound and gains nothing",
+    )
+    model: DraftModelSource | None = Field(
+        default=None, description="the draft model: required with method draft, refused with ngram"
+    )
+
+
 # spec.engine: what the operator passes to `flotilla engine serve` (the engine's own settings class is
 # flotilla.engine.config.EngineConfig). A comment, not a docstring: a docstring becomes the CRD's description.
 class EngineSettings(_Model):
@@ -90,8 +125,11 @@ class EngineSettings(_Model):
     )
     quantization_group_size: Literal[32, 64, 128] | None = Field(
         default=None,
-        description="int4: input features per scale (the engine's default 128); must divide every quantized "
-        "layer's input features, or the engine refuses to start",
+        description="int4 only (refused with another quantization): input features per scale (the engine's "
+        "default 128); must divide every quantized layer's input features, or the engine refuses to start",
+    )
+    speculative: Speculative | None = Field(
+        default=None, description="speculative decoding; unset: none (every token is one forward)"
     )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="appended to `flotilla engine serve`"

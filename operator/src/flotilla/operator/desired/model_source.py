@@ -13,6 +13,20 @@ SCHEMES = ("file", "pvc", "hf", "http", "https")
 MOUNT_ROOT = "/mnt/models"
 
 
+@dataclass(frozen=True)
+class MountNames:
+    """What one model's mount is called in the pod, so that two models (the served one and a speculative
+    draft) never share a volume, a mount point or an init container."""
+
+    volume: str
+    root: str  # where claims and fetched models are mounted (host paths keep their own path)
+    init_container: str
+
+
+MODEL = MountNames(volume="model", root=MOUNT_ROOT, init_container="fetch-model")
+DRAFT_MODEL = MountNames(volume="draft-model", root="/mnt/draft-models", init_container="fetch-draft-model")
+
+
 class ModelUriError(ValueError):
     """A uri that names no model we can mount; the message says what is wrong and what is accepted."""
 
@@ -63,50 +77,53 @@ class ModelMount:
     init_containers: list[dict] = field(default_factory=list)
 
 
-def model_mount(model: ModelUri, config: OperatorConfig, image: str) -> ModelMount:
-    """Volumes, mounts and the in-container path for a parsed model uri."""
+def model_mount(model: ModelUri, config: OperatorConfig, image: str, names: MountNames = MODEL) -> ModelMount:
+    """Volumes, mounts and the in-container path for a parsed model uri, under `names`."""
     if model.scheme == "file":
-        return _host_path(model.location)
+        return _host_path(model.location, names)
     if model.scheme == "pvc":
-        mount_path = f"{MOUNT_ROOT}/{model.location}"
+        mount_path = f"{names.root}/{model.location}"
         return ModelMount(
             path=f"{mount_path}/{model.sub_path}",
             volumes=[
-                {"name": "model", "persistentVolumeClaim": {"claimName": model.location, "readOnly": True}}
+                {
+                    "name": names.volume,
+                    "persistentVolumeClaim": {"claimName": model.location, "readOnly": True},
+                }
             ],
-            mounts=[{"name": "model", "mountPath": mount_path, "readOnly": True}],
+            mounts=[{"name": names.volume, "mountPath": mount_path, "readOnly": True}],
         )
     if model.scheme == "hf" and config.hf_cache_dir:
-        return _host_path(posixpath.join(config.hf_cache_dir, model.location))
-    return _fetched(model, image)
+        return _host_path(posixpath.join(config.hf_cache_dir, model.location), names)
+    return _fetched(model, image, names)
 
 
-def _fetched(model: ModelUri, image: str) -> ModelMount:
+def _fetched(model: ModelUri, image: str, names: MountNames) -> ModelMount:
     """An init container fetches the model into a pod-local volume (hf:// on a real cluster, http(s)://)."""
     if model.scheme == "hf":
-        uri, path = f"hf://{model.location}", f"{MOUNT_ROOT}/hf/{model.location}"
+        uri, path = f"hf://{model.location}", f"{names.root}/hf/{model.location}"
     else:
-        uri, path = model.location, f"{MOUNT_ROOT}/download/model"
+        uri, path = model.location, f"{names.root}/download/model"
     return ModelMount(
         path=path,
-        volumes=[{"name": "model", "emptyDir": {}}],
-        mounts=[{"name": "model", "mountPath": MOUNT_ROOT, "readOnly": True}],
+        volumes=[{"name": names.volume, "emptyDir": {}}],
+        mounts=[{"name": names.volume, "mountPath": names.root, "readOnly": True}],
         init_containers=[
             {
-                "name": "fetch-model",
+                "name": names.init_container,
                 "image": image,
                 "command": model_fetch_argv(uri, path),
-                "volumeMounts": [{"name": "model", "mountPath": MOUNT_ROOT}],
+                "volumeMounts": [{"name": names.volume, "mountPath": names.root}],
             }
         ],
     )
 
 
-def _host_path(path: str) -> ModelMount:
+def _host_path(path: str, names: MountNames) -> ModelMount:
     # Mounted at the same path, so the command reads the same in the image and in the local cluster,
     # whose node agent runs the command on the host itself.
     return ModelMount(
         path=path,
-        volumes=[{"name": "model", "hostPath": {"path": path, "type": "Directory"}}],
-        mounts=[{"name": "model", "mountPath": path, "readOnly": True}],
+        volumes=[{"name": names.volume, "hostPath": {"path": path, "type": "Directory"}}],
+        mounts=[{"name": names.volume, "mountPath": path, "readOnly": True}],
     )

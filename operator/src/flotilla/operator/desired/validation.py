@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from flotilla.operator.api.v1alpha1 import InferenceServiceSpec
+from flotilla.operator.api.v1alpha1 import EngineSettings, InferenceServiceSpec
 from flotilla.operator.desired.model_source import ModelUriError, parse_model_uri
 from flotilla.operator.desired.workload import quantity_bytes
 from flotilla.operator.naming import GPU_TYPE_LABEL
@@ -86,24 +86,13 @@ def validate(
                 "InvalidReplicaRange",
             )
         )
-    try:
-        model = parse_model_uri(spec.model.uri)
-    except ModelUriError as exc:
-        problems.append(Problem("spec.model.uri", str(exc), "InvalidModelUri"))
-    else:
-        if model.scheme == "file" and path_exists is not None and not path_exists(model.location):
-            problems.append(
-                Problem(
-                    "spec.model.uri",
-                    f"model path {model.location} does not exist on the nodes",
-                    "ModelNotFound",
-                )
-            )
+    problems += _model_uri_problems("spec.model.uri", spec.model.uri, path_exists)
     if spec.engine.kv_cache_memory is not None:
         try:
             quantity_bytes(spec.engine.kv_cache_memory)
         except ValueError as exc:
             problems.append(Problem("spec.engine.kvCacheMemory", str(exc), "InvalidQuantity"))
+    problems += _engine_problems(spec.engine, path_exists)
     gpu_type = spec.resources.gpu_type
     known = sorted(set(gpu_types or ()))
     if gpu_types is not None and gpu_type is not None and gpu_type not in known:
@@ -115,4 +104,55 @@ def validate(
                 "UnknownGPUType",
             )
         )
+    return problems
+
+
+def _model_uri_problems(field: str, uri: str, path_exists: Callable[[str], bool] | None) -> list[Problem]:
+    """A model uri we cannot mount, or a file:// path the nodes do not have."""
+    try:
+        model = parse_model_uri(uri)
+    except ModelUriError as exc:
+        return [Problem(field, str(exc), "InvalidModelUri")]
+    if model.scheme == "file" and path_exists is not None and not path_exists(model.location):
+        return [Problem(field, f"model path {model.location} does not exist on the nodes", "ModelNotFound")]
+    return []
+
+
+def _engine_problems(engine: EngineSettings, path_exists: Callable[[str], bool] | None) -> list[Problem]:
+    """The engine settings that are each valid but not together."""
+    problems: list[Problem] = []
+    if engine.quantization_group_size is not None and engine.quantization != "int4":
+        quantization = "unset" if engine.quantization is None else repr(engine.quantization)
+        problems.append(
+            Problem(
+                "spec.engine.quantizationGroupSize",
+                f"{engine.quantization_group_size} is set while quantization is {quantization}; a group "
+                "size applies to int4 only (set quantization: int4, or leave quantizationGroupSize out)",
+                "InvalidQuantization",
+            )
+        )
+    speculative = engine.speculative
+    if speculative is None:
+        return problems
+    field = "spec.engine.speculative.model"
+    if speculative.method == "draft" and speculative.model is None:
+        problems.append(
+            Problem(
+                field,
+                "method 'draft' needs a draft model: set model.uri to a smaller model with the same "
+                "tokenizer (or use method: ngram, which needs none)",
+                "InvalidSpeculative",
+            )
+        )
+    elif speculative.method == "ngram" and speculative.model is not None:
+        problems.append(
+            Problem(
+                field,
+                f"method 'ngram' takes no draft model, got uri {speculative.model.uri!r} (use method: draft "
+                "to speculate with it, or leave model out)",
+                "InvalidSpeculative",
+            )
+        )
+    elif speculative.model is not None:
+        problems += _model_uri_problems(f"{field}.uri", speculative.model.uri, path_exists)
     return problems

@@ -36,7 +36,7 @@ from flotilla.operator.api.v1alpha1 import (
     InferenceServiceSpec,
 )
 from flotilla.operator.config import ENGINE_SHUTDOWN_DELAY, OperatorConfig
-from flotilla.operator.desired.model_source import model_mount, parse_model_uri
+from flotilla.operator.desired.model_source import DRAFT_MODEL, ModelMount, model_mount, parse_model_uri
 from flotilla.operator.naming import (
     GPU_RESOURCE,
     GPU_TYPE_LABEL,
@@ -90,12 +90,19 @@ def target_replicas(spec: InferenceServiceSpec) -> int:
 
 
 FAIR = "fair"
+DRAFT = "draft"
 
 
-def engine_args(engine: EngineSettings, tenant_weights: tuple[tuple[str, float], ...] = ()) -> EngineArgs:
+def engine_args(
+    engine: EngineSettings,
+    tenant_weights: tuple[tuple[str, float], ...] = (),
+    draft_model_path: str | None = None,
+) -> EngineArgs:
     """The spec's engine settings as the contract's EngineArgs (unset ones keep the engine's defaults).
     The tenant weights go only to a fair engine: under another policy they would mean nothing, and would
-    roll its pods each time a Tenant's weight changed."""
+    roll its pods each time a Tenant's weight changed. `draft_model_path` is where the pod mounts
+    spec.engine.speculative.model (draft_mount), for the draft method only."""
+    speculative = engine.speculative
     return EngineArgs(
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -107,6 +114,10 @@ def engine_args(engine: EngineSettings, tenant_weights: tuple[tuple[str, float],
         tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == FAIR else (),
         quantization=engine.quantization,
         quantization_group_size=engine.quantization_group_size,
+        speculative_method=speculative.method if speculative else None,
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative else None,
+        speculative_model=draft_model_path if speculative and speculative.method == DRAFT else None,
+        speculative_max_batch_size=speculative.max_batch_size if speculative else None,
         extra_args=tuple(engine.extra_args),
     )
 
@@ -139,14 +150,28 @@ def engine_command(
     model_path: str,
     drain_seconds: int | None = None,
     tenant_weights: tuple[tuple[str, float], ...] = (),
+    draft_model_path: str | None = None,
 ) -> list[str]:
     return engine_serve_argv(
         model_path=model_path,
         served_name=served_name(owner, spec),
         shutdown_delay=ENGINE_SHUTDOWN_DELAY if drain_seconds else None,
         drain_timeout=drain_seconds or None,
-        engine=engine_args(spec.engine, tenant_weights),
+        engine=engine_args(spec.engine, tenant_weights, draft_model_path),
     )
+
+
+def draft_mount(spec: InferenceServiceSpec, config: OperatorConfig, image: str) -> ModelMount | None:
+    """The speculative draft model's mount (DRAFT_MODEL's volume, mount root and init container, so it
+    cannot collide with the served model's), or None without one. A draft that is the served model itself
+    is mounted once: its path, and no volume of its own."""
+    speculative = spec.engine.speculative
+    if speculative is None or speculative.method != DRAFT or speculative.model is None:
+        return None
+    draft = parse_model_uri(speculative.model.uri)
+    if draft == parse_model_uri(spec.model.uri):
+        return ModelMount(path=model_mount(draft, config, image).path)
+    return model_mount(draft, config, image, DRAFT_MODEL)
 
 
 def _resources(spec: InferenceServiceSpec) -> dict:
@@ -199,6 +224,8 @@ def pod_template(
 ) -> dict:
     image = spec.image or config.default_image
     mount = model_mount(parse_model_uri(spec.model.uri), config, image)
+    draft = draft_mount(spec, config, image)
+    models = [mount] if draft is None else [mount, draft]
     container = {
         "name": "engine",
         "image": image,
@@ -210,6 +237,7 @@ def pod_template(
             mount.path,
             max(1, config.termination_grace_seconds - 10 - ENGINE_SHUTDOWN_DELAY),
             decision.tenant_weights,
+            draft.path if draft else None,
         ),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(owner, decision.tenant, config),
@@ -225,7 +253,10 @@ def pod_template(
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mount.mounts],
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            *(m for model in models for m in model.mounts),
+        ],
     }
     pod_spec: dict = {
         "automountServiceAccountToken": False,
@@ -239,11 +270,12 @@ def pod_template(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *mount.volumes],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *(v for model in models for v in model.volumes)],
     }
-    if mount.init_containers:
+    init_containers = [init for model in models for init in model.init_containers]
+    if init_containers:
         pod_spec["initContainers"] = [
-            {**init, "securityContext": container["securityContext"]} for init in mount.init_containers
+            {**init, "securityContext": container["securityContext"]} for init in init_containers
         ]
     if spec.resources.gpu_type:
         pod_spec["nodeSelector"] = {GPU_TYPE_LABEL: spec.resources.gpu_type}
