@@ -174,7 +174,7 @@ def sequences_per_budget(
         out = sched.schedule()
         peak = max(peak, sched.num_running)
         counts.append(sched.num_running)
-        sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
+        sched.update_from_output(out, {s.request.request_id: [1] for s in out.scheduled if s.samples})
     return {
         "sequences_offered": len(work.prompts),
         "kv_budget_tokens": num_blocks * block_size,
@@ -201,13 +201,13 @@ def scheduler_step_cost(
         prompt = [rng.randrange(8, 8000) for _ in range(prompt_len)]
         sched.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=steps + 5, ignore_eos=True)))
     out = sched.schedule()  # prefill all
-    sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
+    sched.update_from_output(out, {s.request.request_id: [1] for s in out.scheduled if s.samples})
     assert sched.num_running == num_seqs
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
         out = sched.schedule()
-        sched.update_from_output(out, {s.request.request_id: 8 + step for s in out.scheduled})
+        sched.update_from_output(out, {s.request.request_id: [8 + step] for s in out.scheduled})
         times.append(time.perf_counter() - t0)
     # The median resists other processes taking the CPU mid-step on a shared machine.
     return {

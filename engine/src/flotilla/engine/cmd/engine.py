@@ -7,6 +7,7 @@ import argparse
 
 def add_commands(subparsers) -> None:
     from flotilla.engine.bench.fair import add_bench_fair_args
+    from flotilla.engine.bench.quantization import add_quantization_report_args
     from flotilla.engine.bench.serve import add_bench_serve_args
     from flotilla.engine.cmd.serve import add_serve_args
     from flotilla.engine.engine_args import add_quantization_args, thread_count
@@ -33,10 +34,21 @@ def add_commands(subparsers) -> None:
     offline = kinds.add_parser(
         "offline",
         help="offline throughput against transformers, compute-limit ratio, KV utilization, prefix-cache TTFT, "
-        "scheduler cost",
-        description="Offline benchmark on one model folder. Prints the figures; --json also writes them.",
+        "scheduler cost; or (--report) the quantization or speculation report",
+        description="Offline benchmark on one model folder. Prints the figures; --json also writes them. "
+        "--report throughput (the default) is the throughput benchmark; --report quantization measures "
+        "every weight-only quantization (none, int8, int4 in each group size) on the model: layer bytes "
+        "against bfloat16, perplexity on held-out corpus text, greedy agreement with the float model and "
+        "decode tok/s; --report speculation the speculative decoding report.",
     )
     offline.add_argument("--model", required=True, help="model folder (e.g. from `flotilla model init`)")
+    offline.add_argument(
+        "--report",
+        choices=["throughput", "quantization", "speculation"],
+        default="throughput",
+        help="which report (default throughput)",
+    )
+    offline.add_argument("--png", help="quantization and speculation reports: write their figure to this PNG")
     offline.add_argument("--num-prompts", type=int, default=64)
     offline.add_argument("--input-len", default="32:256", help="prompt lengths, uniform in A:B tokens")
     offline.add_argument("--output-len", default="32:256", help="output lengths, uniform in A:B tokens")
@@ -86,6 +98,7 @@ def add_commands(subparsers) -> None:
     offline.add_argument(
         "--no-profile", dest="profile_steps", action="store_const", const=0, help="same as --profile-steps 0"
     )
+    add_quantization_report_args(offline)
     offline.set_defaults(func=_bench_offline)
     fair = kinds.add_parser(
         "fair",
@@ -114,6 +127,16 @@ def add_commands(subparsers) -> None:
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
+    if args.report == "quantization":
+        from flotilla.engine.bench.quantization import run_quantization_report
+
+        return run_quantization_report(args)
+    if args.report == "speculation":
+        from flotilla.engine.bench.speculation import (  # pyright: ignore[reportMissingImports]
+            run_speculation_report,
+        )
+
+        return run_speculation_report(args)
     from flotilla.engine.bench.offline import run_offline
 
     return run_offline(args)
