@@ -9,6 +9,7 @@ def add_commands(subparsers) -> None:
     from flotilla.engine.bench.fair import add_bench_fair_args
     from flotilla.engine.bench.quantization import add_quantization_report_args
     from flotilla.engine.bench.serve import add_bench_serve_args
+    from flotilla.engine.bench.speculation import add_speculation_report_args
     from flotilla.engine.cmd.serve import add_serve_args
     from flotilla.engine.engine_args import add_quantization_args, thread_count
 
@@ -99,6 +100,7 @@ def add_commands(subparsers) -> None:
         "--no-profile", dest="profile_steps", action="store_const", const=0, help="same as --profile-steps 0"
     )
     add_quantization_report_args(offline)
+    add_speculation_report_args(offline)
     offline.set_defaults(func=_bench_offline)
     fair = kinds.add_parser(
         "fair",
@@ -132,9 +134,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
 
         return run_quantization_report(args)
     if args.report == "speculation":
-        from flotilla.engine.bench.speculation import (  # pyright: ignore[reportMissingImports]
-            run_speculation_report,
-        )
+        from flotilla.engine.bench.speculation import run_speculation_report
 
         return run_speculation_report(args)
     from flotilla.engine.bench.offline import run_offline
