@@ -267,3 +267,55 @@ def test_sampled_output_follows_the_target_distribution(hf_models, draft_of, met
     pairs = two_sample_chi_square_p_value(Counter(s[1:3] for s in plain), Counter(s[1:3] for s in spec))
     assert pairs > 1e-3, f"tokens 2 and 3 together: p = {pairs}"
     assert_no_blocks_held(engine)
+
+
+# -- a draft that cannot draft is refused at start-up ---------------------------------------------------------
+def test_a_draft_with_another_vocabulary_is_refused(hf_models, tiny_preset):
+    from flotilla.engine.model.config import ModelLoadError
+
+    folder, _model = hf_models("llama-gqa")
+    with pytest.raises(ModelLoadError) as caught:
+        speculative_engine(folder, "draft", tiny_preset)
+    message = str(caught.value)
+    assert f"--speculative-model {tiny_preset}: its vocabulary has" in message
+    assert "the model's 258" in message and "must share the model's tokenizer and vocabulary" in message
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(hf_models, draft_of, tmp_path, capsys):
+    import json
+
+    from flotilla.cli import main
+
+    folder, _model = hf_models("llama-gqa")
+    draft = tmp_path / "swapped"
+    shutil.copytree(draft_of("llama-gqa"), draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = "a", "b"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two tokens mean other things
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    args = ["engine", "serve", "--model", str(folder), "--port", "1", "--speculative-method", "draft",
+            "--speculative-model", str(draft)]  # fmt: skip
+    assert main(args) == 2  # refused before loading or listening
+    err = capsys.readouterr().err
+    assert (
+        f"--speculative-model {draft}: its tokenizer differs from the model's (4 token entries differ)" in err
+    )
+
+
+def test_a_draft_shorter_than_the_context_is_refused(hf_models, draft_of, tmp_path):
+    import json
+
+    from flotilla.engine.model.config import ModelLoadError
+
+    folder, _model = hf_models("llama-gqa")  # 256 positions
+    draft = tmp_path / "short"
+    shutil.copytree(draft_of("llama-gqa"), draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["max_position_embeddings"] = 128
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ModelLoadError, match="it handles 128 positions, fewer than the context of 256 tokens"
+    ):
+        speculative_engine(folder, "draft", draft)
+    speculative_engine(folder, "draft", draft, max_model_len=128)  # a shorter context is fine

@@ -28,6 +28,10 @@ CONTRACT = {
     "flotilla_request_success": "counter",
     "flotilla_model_weight_bytes": "gauge",
     "flotilla_model_info": "gauge",
+    "flotilla_spec_decode_num_drafts": "counter",
+    "flotilla_spec_decode_num_draft_tokens": "counter",
+    "flotilla_spec_decode_num_accepted_tokens": "counter",
+    "flotilla_spec_decode_num_accepted_tokens_per_pos": "counter",
 }
 
 
@@ -67,6 +71,32 @@ def test_the_model_info_says_the_quantization_and_the_weight_bytes(server, http)
     (card,) = http.get("/v1/models").json()["data"]
     assert (card["quantization"], card["quantization_group_size"]) == ("none", None)
     assert card["weight_bytes"] == info.weight_bytes
+
+
+def test_speculative_decoding_counters_match_the_engine(make_server, tiny_model):
+    from flotilla.contract import SPEC_DECODE_ACCEPTED_PER_POSITION, counter_total
+
+    # The model drafts for itself: every greedy draft is accepted.
+    engine = {"speculative_method": "draft", "speculative_model": str(tiny_model), "num_speculative_tokens": 3}
+    spec_server = make_server(engine)
+    body = {**BODY, "max_tokens": 24, "temperature": 0}
+    assert httpx.post(f"{spec_server.url}/v1/completions", json=body, trust_env=False).status_code == 200
+    spec_server.assert_no_leak()
+    stats = spec_server.llm.stats().spec_decode
+    metrics = scrape(spec_server.url)
+    assert value(metrics, "flotilla_spec_decode_num_drafts_total") == stats.num_drafts
+    assert value(metrics, "flotilla_spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    assert value(metrics, "flotilla_spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
+    per_position = metrics[counter_total(SPEC_DECODE_ACCEPTED_PER_POSITION)]
+    assert sorted(dict(k)["position"] for k in per_position) == [
+        "0",
+        "1",
+        "2",
+    ]  # every position from the start
+    assert [
+        value(metrics, counter_total(SPEC_DECODE_ACCEPTED_PER_POSITION), position=str(i)) for i in range(3)
+    ] == (stats.accepted_per_position)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 def test_counters_follow_requests(server, http):
