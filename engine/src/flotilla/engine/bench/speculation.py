@@ -9,6 +9,7 @@ For no speculation, n-gram lookup and (with --draft-model) the draft model, at e
   itself off above --speculative-max-batch-size running requests), and with speculation forced on at
   that batch, which shows why it turns off.
 
+The engines take turns round after round (a shared machine drifts by tens of percent over minutes).
 Meant for the trained presets (`flotilla model init --preset tiny-trained` and `tiny-trained-draft`); on
 random weights nothing is accepted. Prints the table (progress on stderr), writes --json and --png;
 asserts nothing."""
@@ -21,13 +22,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flotilla.contract import DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
 from flotilla.engine.bench.speculation_figures import format_report, plot, verdicts
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.model import corpus
+
+KV_CACHE_BYTES = 128 << 20
 
 if TYPE_CHECKING:
     from flotilla.engine.llm_engine import LLMEngine
@@ -98,7 +101,8 @@ def _engine(args, method: str, k: int, max_num_seqs: int, max_batch: int) -> LLM
             cpu_threads=args.threads,
             show_progress=False,
             block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
+            # Many engines live at once here; their KV caches need not be the CPU default of 1 GiB.
+            kv_cache_memory=args.kv_cache_memory or KV_CACHE_BYTES,
             max_num_seqs=max_num_seqs,
             speculative_method=method,
             num_speculative_tokens=k,
@@ -108,57 +112,40 @@ def _engine(args, method: str, k: int, max_num_seqs: int, max_batch: int) -> LLM
     )
 
 
-def _timed(
-    engine: LLMEngine, batches: list[list[str]], params: SamplingParams, repeats: int
+def _run(
+    engine: LLMEngine, batches: list[list[str]], params: SamplingParams
 ) -> tuple[float, list[list[int]]]:
-    """Median output tok/s over the repeats (after one warm-up batch), and the last run's outputs."""
-    engine.generate(batches[0][:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    engine.kv_manager.reset_prefix_cache()
-    rates: list[float] = []
+    """Output tok/s over the batches (each run to completion in turn), and the outputs."""
     outputs = []
-    for _ in range(repeats):
-        outputs = []
-        start = time.perf_counter()
-        for batch in batches:
-            outputs += engine.generate(batch, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        rates.append(sum(len(o.token_ids or ()) for o in outputs) / elapsed)
-        engine.kv_manager.reset_prefix_cache()  # every run prefills its prompts
-    return statistics.median(rates), [list(o.token_ids or ()) for o in outputs]
+    start = time.perf_counter()
+    for batch in batches:
+        outputs += engine.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    engine.kv_manager.reset_prefix_cache()  # every run prefills its prompts
+    return sum(len(o.token_ids or ()) for o in outputs) / elapsed, [list(o.token_ids or ()) for o in outputs]
 
 
-def measure(
-    args, method: str, k: int, prompts: list[str], reference: list[list[int]] | None
-) -> tuple[dict[str, Any], list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=args.spec_max_tokens)
-    engine = _engine(args, method, k, max_num_seqs=1, max_batch=1)
-    rate, tokens = _timed(engine, [[p] for p in prompts], params, args.spec_repeats)
-    spec = engine.stats().spec_decode
-    row: dict[str, Any] = {
-        "method": method,
-        "k": k if method != "none" else None,
-        "batch1_tokens_per_s": rate,
-        "output_tokens": sum(map(len, tokens)),
-        "acceptance_rate": spec.acceptance_rate if method != "none" else None,
-        "mean_accepted_length": spec.mean_accepted_length if method != "none" else None,
-        "acceptance_per_position": [n / spec.num_drafts for n in spec.accepted_per_position]
-        if spec.num_drafts
-        else [],
-        "identical_to_none": None if reference is None else tokens == reference,
-    }
-    del engine
-    batch = (prompts * (args.spec_full_batch // len(prompts) + 1))[: args.spec_full_batch]
-    full_batch = [batch]
-    for label, max_batch in (
-        ("full_batch", DEFAULT_SPECULATIVE_MAX_BATCH_SIZE),
-        ("full_batch_forced", args.spec_full_batch),
-    ):
-        if method == "none" and label == "full_batch_forced":
-            continue
-        engine = _engine(args, method, k, max_num_seqs=args.spec_full_batch, max_batch=max_batch)
-        row[f"{label}_tokens_per_s"], _ = _timed(engine, full_batch, params, args.spec_repeats)
-        del engine
-    return row, tokens
+def _interleaved(
+    engines: list[LLMEngine], batches: list[list[str]], params: SamplingParams, repeats: int, what: str
+):
+    """Each engine's tok/s per round and last outputs. The engines take turns, round after round, so that a
+    machine whose speed drifts (a shared one does, by tens of percent over minutes) slows them alike; a
+    ratio between two engines is then the median of their per-round ratios (paired_ratio)."""
+    for engine in engines:  # warm-up: first-touch page faults, allocator, caches
+        engine.generate(batches[0][:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        engine.kv_manager.reset_prefix_cache()
+    rates: list[list[float]] = [[] for _ in engines]
+    outputs: list[list[list[int]]] = [[] for _ in engines]
+    for round_ in range(repeats):
+        _progress(f"  {what}: round {round_ + 1}/{repeats}")
+        for i, engine in enumerate(engines):
+            rate, outputs[i] = _run(engine, batches, params)
+            rates[i].append(rate)
+    return rates, outputs
+
+
+def paired_ratio(rates: list[float], baseline: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(rates, baseline, strict=True))
 
 
 def run_speculation_report(args) -> int:
@@ -172,21 +159,48 @@ def run_speculation_report(args) -> int:
         plan += [("draft", k) for k in args.spec_tokens]
     else:
         _progress("no --draft-model: n-gram only")
-    rows, reference = [], None
-    for i, (method, k) in enumerate(plan, 1):
-        _progress(f"[{i}/{len(plan)}] {method}" + (f", K={k}" if method != "none" else "") + " ...")
-        row, tokens = measure(args, method, k, prompts, reference)
-        if reference is None:
-            reference = tokens
-        rows.append(row)
-    none = rows[0]
-    for row in rows:
-        row["batch1_speedup"] = row["batch1_tokens_per_s"] / none["batch1_tokens_per_s"]
-        row["full_batch_ratio"] = row["full_batch_tokens_per_s"] / none["full_batch_tokens_per_s"]
-        if "full_batch_forced_tokens_per_s" in row:
-            row["full_batch_forced_ratio"] = (
-                row["full_batch_forced_tokens_per_s"] / none["full_batch_tokens_per_s"]
-            )
+    params = SamplingParams(temperature=0.0, max_tokens=args.spec_max_tokens)
+
+    _progress(f"batch 1: {len(plan)} engines, {len(prompts)} prompts one at a time")
+    engines = [_engine(args, method, k, max_num_seqs=1, max_batch=1) for method, k in plan]
+    rates, outputs = _interleaved(engines, [[p] for p in prompts], params, args.spec_repeats, "batch 1")
+    rows = []
+    for (method, k), engine, rate, tokens in zip(plan, engines, rates, outputs, strict=True):
+        spec = engine.stats().spec_decode
+        drafting = method != "none"
+        rows.append(
+            {
+                "method": method,
+                "k": k if drafting else None,
+                "batch1_tokens_per_s": statistics.median(rate),
+                "batch1_speedup": paired_ratio(rate, rates[0]),
+                "output_tokens": sum(map(len, tokens)),
+                "acceptance_rate": spec.acceptance_rate if drafting else None,
+                "mean_accepted_length": spec.mean_accepted_length if drafting else None,
+                "acceptance_per_position": [n / spec.num_drafts for n in spec.accepted_per_position]
+                if spec.num_drafts
+                else [],
+                "identical_to_none": tokens == outputs[0] if drafting else None,
+            }
+        )
+    del engines
+
+    batch = (prompts * (args.spec_full_batch // len(prompts) + 1))[: args.spec_full_batch]
+    full = args.spec_full_batch
+    # As the engine runs by default (speculation off above the batch size), then forced on.
+    full_plan = [(method, k, DEFAULT_SPECULATIVE_MAX_BATCH_SIZE, False) for method, k in plan]
+    full_plan += [(method, k, full, True) for method, k in plan if method != "none"]
+    _progress(f"batch {full}: {len(full_plan)} engines")
+    engines = [_engine(args, method, k, max_num_seqs=full, max_batch=m) for method, k, m, _ in full_plan]
+    rates, _ = _interleaved(engines, [batch], params, args.spec_repeats, f"batch {full}")
+    del engines
+    by_config = {(method, k): row for (method, k), row in zip(plan, rows, strict=True)}
+    for (method, k, _max_batch, forced), rate in zip(full_plan, rates, strict=True):
+        row = by_config[(method, k)]
+        row["full_batch_forced_tokens_per_s" if forced else "full_batch_tokens_per_s"] = statistics.median(
+            rate
+        )
+        row["full_batch_forced_ratio" if forced else "full_batch_ratio"] = paired_ratio(rate, rates[0])
     report = {
         "model": args.model,
         "draft_model": args.draft_model,

@@ -53,13 +53,6 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, *cache.shape[1:])
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one request's K or V: [length, KVH, D]."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    return gather_blocks(cache, block_table[:num_blocks]).flatten(0, 1)[:length]
-
-
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D], one token per request
     k_cache: torch.Tensor,
@@ -69,30 +62,68 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Reference decode attention: each query attends to all seq_len cached tokens of its request."""
+    return decode_attention(
+        query, k_cache, v_cache, decode_groups(block_tables, seq_lens, k_cache.shape[1]), scale
+    )
+
+
+def decode_attention(query, k_cache, v_cache, groups: list[DecodeGroup], scale: float) -> torch.Tensor:
     out = torch.empty_like(query)
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    for start in range(0, len(order), DECODE_GROUP):
-        group = order[start : start + DECODE_GROUP]
-        idx = torch.tensor(group, device=query.device)
-        out[idx] = _decode_group(
-            query[idx], k_cache, v_cache, block_tables[idx], [seq_lens[i] for i in group], scale
-        )
+    for group in groups:
+        rows = group.rows
+        if rows is None:
+            return _decode_group(query, k_cache, v_cache, group, scale)
+        out[rows] = _decode_group(query[rows], k_cache, v_cache, group, scale)
     return out
 
 
-def _decode_group(query, k_cache, v_cache, block_tables, seq_lens, scale):
-    block_size = k_cache.shape[1]
+@dataclass
+class DecodeGroup:
+    """Decode requests attended in one call, and what every layer reuses for them."""
+
+    rows: torch.Tensor | None  # their rows among the decode queries; None: all of them, in order
+    block_ids: torch.Tensor  # [B * num_blocks] long: each request's first num_blocks blocks
+    max_len: int
+    valid: torch.Tensor  # [B, 1, 1, max_len] bool: which of the padded positions exist
+
+
+def decode_groups(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> list[DecodeGroup]:
+    """Groups of similar length (sorted), or one group in the given order when they fit in one."""
+    device = block_tables.device
+    if len(seq_lens) <= DECODE_GROUP:
+        return [_decode_group_plan(None, block_tables, seq_lens, block_size)]
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups = []
+    for start in range(0, len(order), DECODE_GROUP):
+        members = order[start : start + DECODE_GROUP]
+        rows = torch.tensor(members, device=device)
+        groups.append(
+            _decode_group_plan(rows, block_tables[rows], [seq_lens[i] for i in members], block_size)
+        )
+    return groups
+
+
+def _decode_group_plan(rows, block_tables, seq_lens: list[int], block_size: int) -> DecodeGroup:
+    device = block_tables.device
     max_len = max(seq_lens)
-    num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].flatten()
-    batch = block_tables.shape[0]
+    lens = torch.tensor(seq_lens, device=device)
+    valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+    block_ids = block_tables[:, : -(-max_len // block_size)].flatten().long()
+    return DecodeGroup(rows, block_ids, max_len, valid[:, None, None, :])
+
+
+def _decode_group(query, k_cache, v_cache, group: DecodeGroup, scale):
+    batch = query.shape[0]
     # Gather each request's blocks: [B, L, KVH, D] -> [B, KVH, L, D], padded to the group's longest.
-    keys = gather_blocks(k_cache, tables).view(batch, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
-    values = gather_blocks(v_cache, tables).view(batch, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
-    lens = torch.tensor(seq_lens, device=query.device)
-    valid = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
+    keys = gather_blocks(k_cache, group.block_ids).view(batch, -1, *k_cache.shape[2:])[:, : group.max_len]
+    values = gather_blocks(v_cache, group.block_ids).view(batch, -1, *v_cache.shape[2:])[:, : group.max_len]
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        query[:, :, None, :],
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=group.valid,
+        scale=scale,
+        enable_gqa=True,
     )
     return out[:, :, 0]
 
@@ -107,19 +138,74 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """A chunk of n new tokens at positions context_len .. context_len+n-1 attends causally to the
     cached prefix and to itself (its K/V are already stored)."""
-    n = query.shape[0]
+    chunk = prefill_chunk(0, query.shape[0], block_table, context_len, k_cache.shape[1])
+    return chunk_attention(query, k_cache, v_cache, chunk, scale)
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of new tokens, and what every layer reuses for it."""
+
+    start: int  # its rows in the flat batch
+    end: int
+    block_ids: torch.Tensor  # the blocks holding its context and itself
+    total: int  # context + chunk
+    mask: torch.Tensor | None  # [n, total] causal mask past a context; None: plain causal (no context)
+
+
+def prefill_chunk(
+    start: int, end: int, block_table: torch.Tensor, context_len: int, block_size: int
+) -> PrefillChunk:
+    n = end - start
     total = context_len + n
-    keys = gather_kv(k_cache, block_table, total).transpose(0, 1)  # [KVH, L, D]
-    values = gather_kv(v_cache, block_table, total).transpose(0, 1)
+    block_ids = block_table[: -(-total // block_size)]
+    mask = None
+    if context_len:
+        rows = torch.arange(n, device=block_table.device)[:, None] + context_len
+        mask = torch.arange(total, device=block_table.device)[None, :] <= rows
+    return PrefillChunk(start, end, block_ids, total, mask)
+
+
+def chunk_attention(query, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    keys = gather_blocks(k_cache, chunk.block_ids).flatten(0, 1)[: chunk.total].transpose(0, 1)  # [KVH, L, D]
+    values = gather_blocks(v_cache, chunk.block_ids).flatten(0, 1)[: chunk.total].transpose(0, 1)
     q = query.transpose(0, 1)  # [H, n, D]
-    if context_len == 0:
+    if chunk.mask is None:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        rows = torch.arange(n, device=query.device)[:, None] + context_len
-        cols = torch.arange(total, device=query.device)[None, :]
-        mask = cols <= rows
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+        )
     return out.transpose(0, 1)
+
+
+@dataclass
+class _StepPlan:
+    decode_groups: list[DecodeGroup]
+    decode_rows: torch.Tensor | None  # the decode queries' rows; None: every row, in order
+    prefills: list[PrefillChunk]
+
+
+def _step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    decode_groups_: list[DecodeGroup] = []
+    decode_rows = None
+    if meta.decode_requests:
+        reqs = meta.decode_requests
+        tables = meta.block_tables if len(reqs) == meta.block_tables.shape[0] else meta.block_tables[reqs]
+        decode_groups_ = decode_groups(tables, [meta.seq_lens[r] for r in reqs], block_size)
+        if meta.prefill_requests:
+            decode_rows = meta.decode_token_index
+    prefills = [
+        prefill_chunk(
+            meta.query_start[r],
+            meta.query_start[r + 1],
+            meta.block_tables[r],
+            meta.context_lens[r],
+            block_size,
+        )
+        for r in meta.prefill_requests
+    ]
+    return _StepPlan(decode_groups_, decode_rows, prefills)
 
 
 class TorchAttentionBackend:
@@ -129,21 +215,19 @@ class TorchAttentionBackend:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # What does not depend on the layer (groups, masks, block ids) is built once per step.
+        plan = meta.backend_cache.get("torch")
+        if plan is None:
+            plan = meta.backend_cache["torch"] = _step_plan(meta, k_cache.shape[1])
+        assert isinstance(plan, _StepPlan)
+        if plan.decode_groups and not plan.prefills:
+            return decode_attention(query, k_cache, v_cache, plan.decode_groups, scale)
         out = torch.empty_like(query)
-        if meta.decode_requests:
-            rows = meta.decode_token_index
-            reqs = meta.decode_requests
-            out[rows] = paged_decode_attention(
-                query[rows],
-                k_cache,
-                v_cache,
-                meta.block_tables[reqs],
-                [meta.seq_lens[r] for r in reqs],
-                scale,
-            )
-        for r in meta.prefill_requests:
-            start, end = meta.query_start[r], meta.query_start[r + 1]
-            out[start:end] = paged_prefill_attention(
-                query[start:end], k_cache, v_cache, meta.block_tables[r], meta.context_lens[r], scale
+        if plan.decode_groups:
+            rows = plan.decode_rows
+            out[rows] = decode_attention(query[rows], k_cache, v_cache, plan.decode_groups, scale)
+        for chunk in plan.prefills:
+            out[chunk.start : chunk.end] = chunk_attention(
+                query[chunk.start : chunk.end], k_cache, v_cache, chunk, scale
             )
         return out
