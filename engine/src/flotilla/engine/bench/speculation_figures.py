@@ -97,6 +97,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         if row["acceptance_per_position"]:
             positions = range(1, len(row["acceptance_per_position"]) + 1)
             right.plot(positions, row["acceptance_per_position"], marker="o", label=_label(row))
+    right.set_xticks(range(1, max((len(r["acceptance_per_position"]) for r in rows), default=1) + 1))
     right.set_xlabel("draft position")
     right.set_ylabel("accepted / drafts")
     right.set_ylim(0, 1)
