@@ -88,7 +88,9 @@ def test_ngram_refuses_bad_sizes():
 # -- the scheduler's side -------------------------------------------------------------------------------
 def make_scheduler(num_blocks=64, block_size=4, max_len=64, budget=64) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_len), kv)
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_len), kv
+    )
 
 
 def decoding_request(sched: Scheduler, rid: str = "r", prompt_len: int = 6, max_tokens: int = 50) -> Request:
