@@ -77,7 +77,11 @@ def test_speculative_decoding_counters_match_the_engine(make_server, tiny_model)
     from flotilla.contract import SPEC_DECODE_ACCEPTED_PER_POSITION, counter_total
 
     # The model drafts for itself: every greedy draft is accepted.
-    engine = {"speculative_method": "draft", "speculative_model": str(tiny_model), "num_speculative_tokens": 3}
+    engine = {
+        "speculative_method": "draft",
+        "speculative_model": str(tiny_model),
+        "num_speculative_tokens": 3,
+    }
     spec_server = make_server(engine)
     body = {**BODY, "max_tokens": 24, "temperature": 0}
     assert httpx.post(f"{spec_server.url}/v1/completions", json=body, trust_env=False).status_code == 200
