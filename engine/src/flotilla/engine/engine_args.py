@@ -45,15 +45,32 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def thread_count(text: str) -> int:
-    """--threads: 0 (the default count) or more."""
+def whole_number(text: str, minimum: int, rule: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (the default count) or more, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
     return value
+
+
+def thread_count(text: str) -> int:
+    """--threads: 0 (the default count) or more."""
+    return whole_number(text, 0, "0 (the default count) or more")
+
+
+def positive_count(text: str) -> int:
+    """A count of at least 1 (prompts, tokens, repeats)."""
+    return whole_number(text, 1, "1 or more")
+
+
+def positive_counts(text: str) -> list[int]:
+    """Comma-separated counts of at least 1, e.g. 1,32."""
+    try:
+        return [positive_count(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def tenant_weights(text: str) -> dict[str, float]:

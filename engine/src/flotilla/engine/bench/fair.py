@@ -50,13 +50,12 @@ from flotilla.engine.bench.fair_figures import (
     RequestRecord,
     compare,
     format_report,
-    json_safe,
     percentile,
     plot,
     summarize,
 )
 from flotilla.engine.bench.offline import parse_range
-from flotilla.engine.bench.setup import engine_header
+from flotilla.engine.bench.setup import engine_header, json_safe
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.engine_args import parse_bytes, thread_count

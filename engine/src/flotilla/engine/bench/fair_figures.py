@@ -126,17 +126,6 @@ def compare(fcfs: dict[str, Any], fair: dict[str, Any]) -> dict[str, Any]:
 # -- the runs --------------------------------------------------------------------------------------------
 
 
-def json_safe(value: Any) -> Any:
-    """NaN and infinity as null: the JSON stays strict."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
-
-
 def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"model {r['model']} on {r['device']} ({r['dtype']}, {r['threads']} threads), max_num_seqs {r['max_num_seqs']}"

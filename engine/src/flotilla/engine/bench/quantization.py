@@ -39,12 +39,13 @@ from flotilla.engine.bench.quantization_figures import (
     bytes_verdict,
     format_report,
     greedy_agreement,
-    json_safe,
     method_name,
     plot,
 )
+from flotilla.engine.bench.setup import json_safe
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
+from flotilla.engine.engine_args import positive_count, positive_counts
 from flotilla.engine.model import corpus
 from flotilla.engine.model.config import ModelConfig, check_quantization
 from flotilla.engine.model.presets import CORPUS_SEED, TRAINING_RECORD
@@ -58,66 +59,48 @@ if TYPE_CHECKING:
 LOGIT_ROWS = 512  # rows of logits at a time: a long document over a large vocabulary stays small
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
-def batch_sizes(text: str) -> list[int]:
-    """--decode-batch-sizes: comma-separated positive whole numbers, e.g. 1,32."""
-    try:
-        return [_positive(part) for part in text.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
-
-
 def add_quantization_report_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "--report quantization", "every method on --model; --quantization and its group size are ignored"
     )
     group.add_argument(
         "--perplexity-documents",
-        type=_positive,
+        type=positive_count,
         default=300,
         metavar="N",
         help="held-out corpus documents for perplexity (default 300, the trained presets' held-out set)",
     )
     group.add_argument(
         "--agreement-prompts",
-        type=_positive,
+        type=positive_count,
         default=32,
         metavar="N",
         help="corpus prompts for greedy agreement with the float model (default 32)",
     )
     group.add_argument(
         "--agreement-tokens",
-        type=_positive,
+        type=positive_count,
         default=128,
         metavar="N",
         help="greedy tokens per prompt (default 128)",
     )
     group.add_argument(
         "--decode-batch-sizes",
-        type=batch_sizes,
+        type=positive_counts,
         default=[1, 32],
         metavar="B,...",
         help="requests at once in the decode speed runs, comma-separated (default 1,32)",
     )
     group.add_argument(
         "--decode-tokens",
-        type=_positive,
+        type=positive_count,
         default=128,
         metavar="N",
         help="output tokens per request in the decode speed runs (default 128)",
     )
     group.add_argument(
         "--decode-repeats",
-        type=_positive,
+        type=positive_count,
         default=3,
         metavar="N",
         help="timed runs per batch size, median (default 3)",

@@ -55,17 +55,6 @@ def bytes_verdict(quantization: str, ratio: float | None) -> dict[str, Any]:
     return {"target": target, "met": met}
 
 
-def json_safe(value: Any) -> Any:
-    """NaN and infinity as null: the JSON stays strict."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
-
-
 # -- the table ---------------------------------------------------------------------------------------------
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None or not math.isfinite(value) else format(value, spec)

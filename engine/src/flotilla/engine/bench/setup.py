@@ -4,6 +4,7 @@ reports can be compared knowing what ran."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,14 @@ def engine_header(
         "bf16_weight_bytes": info.bf16_weight_bytes,  # the same weights at 2 bytes per element
         "quantized_layer_kernels": info.kernels,
     }
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and infinity as null: a report's JSON stays strict."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value

@@ -28,27 +28,13 @@ from flotilla.contract import DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
 from flotilla.engine.bench.speculation_figures import format_report, plot, verdicts
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
+from flotilla.engine.engine_args import positive_count, positive_counts
 from flotilla.engine.model import corpus
 
 KV_CACHE_BYTES = 128 << 20
 
 if TYPE_CHECKING:
     from flotilla.engine.llm_engine import LLMEngine
-
-
-def _counts(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be 1 or more")
-    return values
-
-
-def _positive(text: str) -> int:
-    (value,) = _counts(text)
-    return value
 
 
 def add_speculation_report_args(parser: argparse.ArgumentParser) -> None:
@@ -58,30 +44,30 @@ def add_speculation_report_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--spec-tokens",
-        type=_counts,
+        type=positive_counts,
         default=[2, 4],
         metavar="K,...",
         help="drafts per step to try (default 2,4)",
     )
     group.add_argument(
-        "--spec-prompts", type=_positive, default=24, metavar="N", help="corpus prompts (default 24)"
+        "--spec-prompts", type=positive_count, default=24, metavar="N", help="corpus prompts (default 24)"
     )
     group.add_argument(
         "--spec-max-tokens",
-        type=_positive,
+        type=positive_count,
         default=128,
         metavar="N",
         help="most output tokens each (default 128)",
     )
     group.add_argument(
         "--spec-full-batch",
-        type=_positive,
+        type=positive_count,
         default=32,
         metavar="B",
         help="requests in the full batch (default 32)",
     )
     group.add_argument(
-        "--spec-repeats", type=_positive, default=3, metavar="N", help="runs per figure (default 3)"
+        "--spec-repeats", type=positive_count, default=3, metavar="N", help="runs per figure (default 3)"
     )
 
 
