@@ -149,3 +149,25 @@ def test_tokenize_detokenize_round_trip(http):
         "tokens"
     ]
     assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "round trip ü"
+
+
+def test_a_speculating_server_streams_what_a_plain_one_answers(client, make_server, tiny_model):
+    """Greedy, with the model drafting for itself: steps deliver several tokens each, and the stream's
+    text and usage are the plain server's."""
+    args = dict(model=MODEL, prompt="the café", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args).choices[0].text
+    engine = {
+        "speculative_method": "draft",
+        "speculative_model": str(tiny_model),
+        "num_speculative_tokens": 4,
+    }
+    spec_server = make_server(engine)
+    with openai.OpenAI(base_url=f"{spec_server.url}/v1", api_key="unused", max_retries=0) as spec_client:
+        chunks = list(
+            spec_client.completions.create(stream=True, stream_options={"include_usage": True}, **args)
+        )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain
+    assert chunks[-1].usage.completion_tokens == 16
+    assert spec_server.llm.stats().spec_decode.num_accepted_tokens > 0
+    spec_server.assert_no_leak()
