@@ -157,6 +157,20 @@ def test_draft_slots_never_preempt_and_stop_at_the_context():
     assert sched.reserve_draft_slots(request, 9) == 4
 
 
+def test_reserving_draft_slots_registers_no_block_whose_kv_is_not_written():
+    """A block that the next step fills (its last token has no KV yet) stays out of the prefix cache until
+    that step: were the request preempted first, a later hit would read KV that was never written."""
+    sched = make_scheduler()
+    request = decoding_request(sched, prompt_len=7)  # 8 tokens, 7 with KV: block 1 ends with the new token
+    assert sched.reserve_draft_slots(request, 3) == 3
+    cached = [list(key[1]) for key in (b.hash_key for b in sched.kv.pool.cached.values()) if key]
+    assert cached == [[10, 11, 12, 13]]
+    request.spec_token_ids = [1, 2, 3]
+    sched.schedule()  # the step that writes position 7 registers block 1
+    cached = [list(key[1]) for key in (b.hash_key for b in sched.kv.pool.cached.values()) if key]
+    assert cached == [[10, 11, 12, 13], [14, 15, 16, 99]]
+
+
 def test_preemption_drops_drafts_and_the_draft_models_kv():
     sched = make_scheduler(num_blocks=4, block_size=4)
     request = decoding_request(sched, prompt_len=7)  # 8 tokens, 7 with KV: 2 blocks

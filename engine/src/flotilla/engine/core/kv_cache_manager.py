@@ -65,17 +65,22 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Make the request's block table cover its computed tokens, the cache hits and num_new_tokens
-        more. Returns False, changing nothing, when the pool cannot supply the blocks."""
+        """Make the request's block table cover its computed tokens, the cache hits, num_new_tokens more
+        (computed in this step) and num_lookahead_tokens after those (slots reserved for a later step, e.g.
+        speculative drafts). Returns False, changing nothing, when the pool cannot supply the blocks."""
         rid = request.request_id
         blocks = self._blocks.get(rid)
         if blocks is None:
             blocks = self._blocks[rid] = []
         bs = self.block_size
         total_tokens = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
-        num_needed = -(-total_tokens // bs) - len(blocks) - len(computed_blocks)
+        num_needed = -(-(total_tokens + num_lookahead_tokens) // bs) - len(blocks) - len(computed_blocks)
         if computed_blocks or num_needed > 0:
             # Unreferenced cache hits leave the free list when taken, so they count against it too.
             num_idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)

@@ -194,7 +194,8 @@ class Scheduler:
         if request.status != RequestStatus.RUNNING or not request.is_decoding:
             return 0
         num_drafts = min(num_drafts, self.config.max_model_len - request.num_tokens)
-        if num_drafts < 1 or not self.kv.allocate_slots(request, 1 + num_drafts):
+        # Lookahead, not new: nothing is computed before the next step, so nothing is registered yet.
+        if num_drafts < 1 or not self.kv.allocate_slots(request, 0, num_lookahead_tokens=1 + num_drafts):
             return 0
         return num_drafts
 
