@@ -163,9 +163,16 @@ def test_a_speculating_server_streams_what_a_plain_one_answers(client, make_serv
     }
     spec_server = make_server(engine)
     with openai.OpenAI(base_url=f"{spec_server.url}/v1", api_key="unused", max_retries=0) as spec_client:
-        chunks = list(
-            spec_client.completions.create(stream=True, stream_options={"include_usage": True}, **args)
+        stream = spec_client.completions.create(
+            model=MODEL,
+            prompt="the café",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options={"include_usage": True},
         )
+        chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == plain
     assert chunks[-1].usage.completion_tokens == 16
