@@ -153,8 +153,8 @@ class LLMEngine:
         return request is not None
 
     def _forget(self, request_id: str) -> None:
-        self.runner.forget(request_id)
-        if self.proposer is not None:
+        self.runner.sampler.forget(request_id)
+        if self.proposer is not None:  # the n-gram index, or the draft model's last distributions
             self.proposer.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:

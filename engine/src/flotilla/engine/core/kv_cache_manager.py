@@ -114,9 +114,10 @@ class KVCacheManager:
             self._num_registered[request.request_id] = end
 
     def release_unverified(self, request: Request) -> None:
-        """After verifying drafts: the blocks past the request's computed (verified) tokens go back to the
-        pool. They hold only rejected drafts' KV, and were never registered (registration stops at the
-        full blocks of the request's known tokens)."""
+        """After a step that sampled: the blocks past the request's computed (verified) tokens go back to
+        the pool. They hold only rejected drafts' KV or slots reserved for drafts that were not proposed,
+        and were never registered (registration stops at the full blocks of the request's known tokens).
+        Without speculation there are none."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return

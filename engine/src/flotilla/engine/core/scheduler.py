@@ -236,8 +236,8 @@ class Scheduler:
             tokens = sampled[request.request_id]
             num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens - num_rejected
-            if item.spec_token_ids:
-                self.kv.release_unverified(request)
+            # Drafts rejected, cut by the budget or never proposed in reserved slots: their blocks go back.
+            self.kv.release_unverified(request)
             # The draft model's KV holds what it was fed, which is verified only up to here.
             request.num_draft_computed_tokens = min(
                 request.num_draft_computed_tokens, request.num_computed_tokens

@@ -132,11 +132,6 @@ class ModelRunner:
             )
         return blocks
 
-    def forget(self, request_id: str) -> None:
-        self.sampler.forget(request_id)
-        if self.drafter is not None:
-            self.drafter.forget(request_id)
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         # The thread count is per calling thread under OpenMP, and a server steps on its own thread.
@@ -178,7 +173,9 @@ class ModelRunner:
                     plain_requests.append(request)
                 offset += k + 1
             if plain_requests:
-                sampled = self.sampler(logits[plain_rows], plain_requests)
+                # Without drafts in the step every row samples: no copy of the logits.
+                plain = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+                sampled = self.sampler(plain, plain_requests)
                 for request, token, logprob in zip(
                     plain_requests, sampled.token_ids, sampled.logprobs, strict=True
                 ):
