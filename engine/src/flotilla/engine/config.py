@@ -21,6 +21,9 @@ from flotilla.contract import (
     SPECULATIVE_METHODS,
 )
 
+# auto: triton on CUDA; on the CPU, cpu (the compiled decode kernel) for float32 when it builds, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
 
 @dataclass
 class EngineConfig:
@@ -34,7 +37,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; default: 1 GiB on CPU, a fraction of free memory on CUDA
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     seed: int = 0
     cpu_threads: int = 0  # torch CPU threads for model steps; 0: torch's default (one per core)
     show_progress: bool = True
@@ -74,9 +77,9 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be 0 (torch's default) or more, got {self.cpu_threads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -29,7 +29,7 @@ from flotilla.contract import (
     SPECULATIVE_METHODS,
     parse_tenant_weights,
 )
-from flotilla.engine.config import EngineConfig
+from flotilla.engine.config import ATTENTION_BACKENDS, EngineConfig
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
@@ -111,9 +111,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         FLAG_NO_PREFIX_CACHING, action="store_true", help="turn off prefix caching of KV blocks"
     )
-    group.add_argument(
-        "--attention-backend", default=defaults.attention_backend, choices=["auto", "torch", "triton"]
-    )
+    group.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS)
     group.add_argument(
         FLAG_SCHEDULING_POLICY,
         choices=SCHEDULING_POLICIES,

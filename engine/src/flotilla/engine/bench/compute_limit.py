@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flotilla.engine.kernels.attention import ATTENTION_LABEL
+from flotilla.engine.kernels.linear import ONEDNN_LINEAR_OP
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.worker.sampler import SAMPLER_LABEL
 
@@ -171,7 +172,9 @@ def compute_limit(
 
 
 # -- the step breakdown --------------------------------------------------------------------------------
-LINEAR_OPS = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"})
+LINEAR_OPS = frozenset(
+    {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", ONEDNN_LINEAR_OP}
+)
 CATEGORIES = ("linear", "attention", "sampling", "other_ops", "python")
 
 

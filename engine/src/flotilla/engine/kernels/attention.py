@@ -181,53 +181,61 @@ def chunk_attention(query, k_cache, v_cache, chunk: PrefillChunk, scale: float) 
 
 @dataclass
 class _StepPlan:
-    decode_groups: list[DecodeGroup]
+    decode: object | None  # what the backend's decode() reuses in every layer; None: no decode requests
     decode_rows: torch.Tensor | None  # the decode queries' rows; None: every row, in order
     prefills: list[PrefillChunk]
 
 
-def _step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
-    decode_groups_: list[DecodeGroup] = []
-    decode_rows = None
-    if meta.decode_requests:
-        reqs = meta.decode_requests
-        tables = meta.block_tables if len(reqs) == meta.block_tables.shape[0] else meta.block_tables[reqs]
-        decode_groups_ = decode_groups(tables, [meta.seq_lens[r] for r in reqs], block_size)
-        if meta.prefill_requests:
-            decode_rows = meta.decode_token_index
-    prefills = [
-        prefill_chunk(
-            meta.query_start[r],
-            meta.query_start[r + 1],
-            meta.block_tables[r],
-            meta.context_lens[r],
-            block_size,
-        )
-        for r in meta.prefill_requests
-    ]
-    return _StepPlan(decode_groups_, decode_rows, prefills)
-
-
 class TorchAttentionBackend:
+    """Decode in length groups over gathered blocks, each prefill chunk over its gathered blocks: the
+    reference, and the CPU path where the compiled decode kernel (CpuAttentionBackend) is not used."""
+
     name = "torch"
 
     def store(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
+    def plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> object:
+        return decode_groups(block_tables, seq_lens, block_size)
+
+    def decode(self, query, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+        return decode_attention(query, k_cache, v_cache, plan, scale)
+
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # What does not depend on the layer (groups, masks, block ids) is built once per step.
-        plan = meta.backend_cache.get("torch")
+        # What does not depend on the layer (groups, masks, block ids) is planned once per step.
+        plan = meta.backend_cache.get(self.name)
         if plan is None:
-            plan = meta.backend_cache["torch"] = _step_plan(meta, k_cache.shape[1])
+            plan = meta.backend_cache[self.name] = self._plan(meta, k_cache.shape[1])
         assert isinstance(plan, _StepPlan)
-        if plan.decode_groups and not plan.prefills:
-            return decode_attention(query, k_cache, v_cache, plan.decode_groups, scale)
+        if plan.decode is not None and not plan.prefills:
+            return self.decode(query, k_cache, v_cache, plan.decode, scale)
         out = torch.empty_like(query)
-        if plan.decode_groups:
+        if plan.decode is not None:
             rows = plan.decode_rows
-            out[rows] = decode_attention(query[rows], k_cache, v_cache, plan.decode_groups, scale)
+            out[rows] = self.decode(query[rows], k_cache, v_cache, plan.decode, scale)
         for chunk in plan.prefills:
             out[chunk.start : chunk.end] = chunk_attention(
                 query[chunk.start : chunk.end], k_cache, v_cache, chunk, scale
             )
         return out
+
+    def _plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
+        decode = None
+        decode_rows = None
+        if meta.decode_requests:
+            reqs = meta.decode_requests
+            tables = meta.block_tables if len(reqs) == meta.block_tables.shape[0] else meta.block_tables[reqs]
+            decode = self.plan_decode(tables, [meta.seq_lens[r] for r in reqs], block_size)
+            if meta.prefill_requests:
+                decode_rows = meta.decode_token_index
+        prefills = [
+            prefill_chunk(
+                meta.query_start[r],
+                meta.query_start[r + 1],
+                meta.block_tables[r],
+                meta.context_lens[r],
+                block_size,
+            )
+            for r in meta.prefill_requests
+        ]
+        return _StepPlan(decode, decode_rows, prefills)

@@ -13,6 +13,7 @@ from torch.profiler import record_function
 from flotilla.engine.config import EngineConfig, blocks_for_budget
 from flotilla.engine.core.outputs import ModelInfo, SampledLogprob
 from flotilla.engine.core.scheduler import SchedulerOutput
+from flotilla.engine.kernels import cpu_decode
 from flotilla.engine.kernels.attention import TorchAttentionBackend
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model, resolve_device, resolve_dtype
@@ -27,12 +28,30 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def pick_backend(name: str, device: torch.device):
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
-    from flotilla.engine.kernels.triton_attention import TritonAttentionBackend
+def pick_backend(
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int, models: list[ModelConfig]
+):
+    """`auto`: Triton on CUDA; on the CPU the compiled decode kernel where it serves (float32, a C
+    compiler, head sizes it handles for every model it serves: the target and any draft), else the torch
+    path. Asking for `cpu` where it cannot serve is an error that says why."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from flotilla.engine.kernels.triton_attention import TritonAttentionBackend
 
-    return TritonAttentionBackend()
+        return TritonAttentionBackend()
+    if name in ("cpu", "auto"):
+        reason = next(
+            filter(None, (cpu_decode.unusable(device, dtype, *heads(m), block_size) for m in models)), None
+        )
+        if reason is None:
+            return cpu_decode.CpuAttentionBackend()
+        if name == "cpu":
+            raise ValueError(f"--attention-backend cpu: {reason}")
+        log.info("attention backend torch: the cpu kernel does not serve here (%s)", reason)
+    return TorchAttentionBackend()
+
+
+def heads(model: ModelConfig) -> tuple[int, int, int]:
+    return model.head_dim, model.num_attention_heads, model.num_key_value_heads
 
 
 @dataclass
@@ -94,7 +113,13 @@ class ModelRunner:
             )
             for _ in range(model_config.num_hidden_layers)
         ]
-        self.backend = pick_backend(config.attention_backend, self.device)
+        self.backend = pick_backend(
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            config.block_size,
+            [model_config, *filter(None, [draft_config])],
+        )
         self.sampler = Sampler(self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.drafter: DraftProposer | None = None

@@ -1,0 +1,165 @@
+/* Paged decode attention for float32 on the CPU: one query token per request reads its keys and values
+ * straight from the paged cache, block by block, with an online softmax. Nothing is gathered into a
+ * contiguous copy, so each K/V byte is read once per step; the query heads that share a KV head (GQA) are
+ * served by the same pass over it.
+ *
+ * Layouts (row-major, as flotilla.engine.kernels.attention documents them):
+ *   query, out    [B, H, D]          (D a multiple of 8, at most MAX_HEAD_DIM)
+ *   k/v cache     [num_blocks, block_size, KVH, D]
+ *   block_tables  [B, table_stride] int32; seq_lens [B] int32 (tokens to attend, >= 1)
+ * Work items are (request, KV head) pairs, shared among OpenMP threads. The library is loaded after torch,
+ * whose libgomp.so.1 it then uses: one thread pool for torch's ops and this kernel.
+ *
+ * Vectors are GCC's generic 8-float vectors (one AVX register; the compiler splits them elsewhere). Scores
+ * are computed four tokens at a time so four FMA chains run at once; exp is a polynomial on vectors
+ * (relative error about 2e-7, like expf's) because a scalar expf per score cost more than the dot products.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+#define MAX_BLOCK 64
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline float hsum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* exp(x) for x <= 0 (scores less their running maximum; below -87 it gives about 1e-38): x = n ln2 + r
+ * with |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n by the exponent bits. */
+static inline v8f exp_nonpositive(v8f x) {
+    const v8i below = x < splat(-87.0f);
+    v8i xi, floor_bits;
+    const v8f floor_value = splat(-87.0f);
+    memcpy(&xi, &x, sizeof xi);
+    memcpy(&floor_bits, &floor_value, sizeof floor_bits);
+    xi = (xi & ~below) | (floor_bits & below);
+    memcpy(&x, &xi, sizeof x);
+    const v8i n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), v8i);
+    const v8f nf = __builtin_convertvector(n, v8f);
+    const v8f r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+    v8f p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    v8i bits = (n + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* One (request, KV head): the `group` query heads at q attend to `len` tokens through `table`. */
+static void attend_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int len,
+                       float *o, int group, int head_dim, int block_size, int64_t token_stride, float scale) {
+    const int nv = head_dim / 8;
+    v8f acc[MAX_GROUP][MAX_HEAD_DIM / 8];
+    float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(32)));
+    float running_max[MAX_GROUP], denom[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        running_max[g] = -INFINITY;
+        denom[g] = 0.0f;
+        for (int d = 0; d < nv; d++) acc[g][d] = splat(0.0f);
+    }
+    for (int start = 0; start < len; start += block_size) {
+        const int64_t block = table[start / block_size];
+        const int n = len - start < block_size ? len - start : block_size;
+        const float *keys = k_cache + block * block_size * token_stride;
+        const float *values = v_cache + block * block_size * token_stride;
+        /* Scores, four tokens at a time (a partial last tile repeats its first token, unused). */
+        for (int t = 0; t < n; t += 4) {
+            const float *k0 = keys + (int64_t)t * token_stride;
+            const int tile = n - t < 4 ? n - t : 4;
+            const float *k1 = tile > 1 ? k0 + token_stride : k0;
+            const float *k2 = tile > 2 ? k0 + 2 * token_stride : k0;
+            const float *k3 = tile > 3 ? k0 + 3 * token_stride : k0;
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                v8f s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+                for (int d = 0; d < head_dim; d += 8) {
+                    const v8f qv = load8(qg + d);
+                    s0 += qv * load8(k0 + d);
+                    s1 += qv * load8(k1 + d);
+                    s2 += qv * load8(k2 + d);
+                    s3 += qv * load8(k3 + d);
+                }
+                scores[g][t] = hsum(s0) * scale;
+                if (tile > 1) scores[g][t + 1] = hsum(s1) * scale;
+                if (tile > 2) scores[g][t + 2] = hsum(s2) * scale;
+                if (tile > 3) scores[g][t + 3] = hsum(s3) * scale;
+            }
+        }
+        /* Online softmax: rescale what came before to the new maximum, then weigh this block. */
+        for (int g = 0; g < group; g++) {
+            float block_max = scores[g][0];
+            for (int t = 1; t < n; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
+            const float new_max = block_max > running_max[g] ? block_max : running_max[g];
+            const float correction = expf(running_max[g] - new_max);
+            running_max[g] = new_max;
+            float sum = 0.0f;
+            for (int t = 0; t < n; t += 8) {
+                v8f p = exp_nonpositive(load8(&scores[g][t]) - splat(new_max));
+                for (int j = 0; j < 8; j++) {
+                    if (t + j >= n) p[j] = 0.0f;
+                }
+                store8(&scores[g][t], p);
+                sum += hsum(p);
+            }
+            denom[g] = denom[g] * correction + sum;
+            if (correction != 1.0f) {
+                const v8f c = splat(correction);
+                for (int d = 0; d < nv; d++) acc[g][d] *= c;
+            }
+        }
+        for (int t = 0; t < n; t++) {
+            const float *v = values + (int64_t)t * token_stride;
+            for (int g = 0; g < group; g++) {
+                const v8f p = splat(scores[g][t]);
+                for (int d = 0; d < nv; d++) acc[g][d] += p * load8(v + 8 * d);
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const v8f inv = splat(1.0f / denom[g]);
+        for (int d = 0; d < nv; d++) store8(o + g * head_dim + 8 * d, acc[g][d] * inv);
+    }
+}
+
+/* Returns 0, or -1 when a size is past what this build handles (the caller checks first). */
+int flotilla_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                              float *out, int32_t num_requests, int32_t num_heads, int32_t num_kv_heads,
+                              int32_t head_dim, int32_t block_size, float scale, int32_t num_threads) {
+    const int group = num_heads / num_kv_heads;
+    if (head_dim % 8 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK ||
+        num_heads % num_kv_heads)
+        return -1;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int r = 0; r < num_requests; r++) {
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            const int64_t first_head = (int64_t)r * num_heads + (int64_t)kvh * group;
+            attend_one(query + first_head * head_dim, k_cache + (int64_t)kvh * head_dim,
+                       v_cache + (int64_t)kvh * head_dim, block_tables + (int64_t)r * table_stride, seq_lens[r],
+                       out + first_head * head_dim, group, head_dim, block_size, token_stride, scale);
+        }
+    }
+    return 0;
+}

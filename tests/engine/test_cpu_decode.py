@@ -1,0 +1,84 @@
+"""The CPU attention backend the engine picks, what the compiled decode kernel refuses and why (its numbers
+against dense attention are in test_attention.py), and the oneDNN linear layer against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flotilla.engine.config import EngineConfig
+from flotilla.engine.kernels import cpu_decode
+from flotilla.engine.kernels.linear import Linear, uses_onednn
+from flotilla.engine.model.config import ModelConfig
+from flotilla.engine.worker.model_runner import pick_backend
+
+
+@pytest.mark.parametrize(
+    "sizes,field",
+    [((68, 8, 8, 16), "head_dim 68"), ((512, 8, 8, 16), "head_dim 512"),
+     ((64, 64, 2, 16), "64 heads over 2 KV heads"), ((64, 8, 8, 128), "block_size 128")],
+)  # fmt: skip
+def test_sizes_past_the_kernel_are_refused_with_the_size_and_the_limit(sizes, field):
+    head_dim, heads, kv_heads, block_size = sizes
+    reason = cpu_decode.unusable(torch.device("cpu"), torch.float32, head_dim, heads, kv_heads, block_size)
+    assert reason is not None and reason.startswith(field)
+    k = torch.zeros(2, block_size, kv_heads, head_dim)
+    with pytest.raises(ValueError, match=field):
+        cpu_decode.paged_decode(
+            torch.zeros(1, heads, head_dim), k, k, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 1.0,
+        )  # fmt: skip
+
+
+def model(head_dim=64, heads=8, kv_heads=4) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=head_dim * heads, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, bos_token_id=None,
+        eos_token_ids=[], torch_dtype=None,
+    )  # fmt: skip
+
+
+def test_auto_picks_the_kernel_for_float32_on_the_cpu_and_torch_otherwise():
+    cpu = torch.device("cpu")
+    assert pick_backend("auto", cpu, torch.float32, 16, [model()]).name == "cpu"
+    assert pick_backend("auto", cpu, torch.bfloat16, 16, [model()]).name == "torch"
+    assert pick_backend("torch", cpu, torch.float32, 16, [model()]).name == "torch"
+    # A draft whose heads the kernel does not handle keeps both models on the torch path.
+    assert pick_backend("auto", cpu, torch.float32, 16, [model(), model(head_dim=68)]).name == "torch"
+
+
+def test_asking_for_the_cpu_backend_where_it_cannot_serve_says_why():
+    cpu = torch.device("cpu")
+    with pytest.raises(
+        ValueError, match=r"--attention-backend cpu: it reads float32 caches, the dtype is bfloat16"
+    ):
+        pick_backend("cpu", cpu, torch.bfloat16, 16, [model()])
+    with pytest.raises(ValueError, match=r"--attention-backend cpu: head_dim 68"):
+        pick_backend("cpu", cpu, torch.float32, 16, [model(head_dim=68)])
+    with pytest.raises(
+        ValueError, match="attention_backend must be one of auto, torch, cpu, triton, got 'fast'"
+    ):
+        EngineConfig(model="m", attention_backend="fast")
+
+
+def test_a_failing_compiler_is_reported_and_leaves_no_files(tmp_path):
+    target = tmp_path / "kernels" / "paged_decode.so"
+    with pytest.raises(cpu_decode.KernelUnavailable, match="failed on paged_decode.c"):
+        cpu_decode._build("false", target)
+    assert list(target.parent.iterdir()) == []
+
+
+def test_the_onednn_linear_matches_f_linear_and_keeps_autograd():
+    layer = Linear(48, 40, bias=True)
+    x = torch.randn(5, 48)
+    with torch.inference_mode():
+        assert uses_onednn(x, layer.weight) == torch.backends.mkldnn.is_available()
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert not uses_onednn(x.bfloat16(), layer.weight.bfloat16())
+    # With autograd on (a trainer, a test) it is F.linear: gradients flow.
+    assert not uses_onednn(x, layer.weight)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (40, 48)
