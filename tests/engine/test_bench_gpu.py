@@ -183,6 +183,10 @@ def test_quick_run_on_the_cpu_end_to_end(tmp_path):
     assert all(r["output_tokens"] == QUICK.batch1_output_len for r in batch1["runs"])
     assert batch1["bandwidth_utilization"] > 0
 
+    graphs = checks["cuda_graphs"]  # off CUDA: the graph path's buffers and padding, run eagerly
+    assert graphs["identical_tokens"] is True and graphs["captured_sizes"] == []
+    assert graphs["graphs_decode_tokens_per_s"] > 0 and graphs["eager_decode_tokens_per_s"] > 0
+
     assert [v["name"] for v in report["verdicts"]] == [
         "kernels", "decode_attention_bandwidth", "batch1_decode", "throughput_vs_transformers",
     ]  # fmt: skip

@@ -108,3 +108,30 @@ def test_matches_under_preemption(hf_models):
     assert engine.runner.num_blocks == 16
     check_against_hf(engine, model, prompts(seed=3))
     assert engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_matches_with_decode_steps_through_the_cuda_graph_buffers(hf_models, backend, monkeypatch):
+    """What a CUDA graph replays, run eagerly (the capture itself needs a GPU): decode steps copied into
+    static buffers and padded to a captured size (2 or 4 here), padding rows writing only the scratch
+    block the block pool never hands out; a batch past the largest size runs without a graph."""
+    folder, model = hf_models("llama-gqa")
+    engine = make_engine(folder, attention_backend=backend, cuda_graph_sizes=[2, 4])
+    runner = engine.runner
+    assert runner.graphs is None  # never on the CPU unless asked for
+    runner.enable_decode_graphs(capture=False)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.sizes == [2, 4]
+    batches: list[int] = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda rows: batches.append(len(rows)) or run(rows))
+    scratch = runner.scratch_block
+    assert scratch == runner.num_blocks == engine.kv_manager.num_blocks
+    assert runner.kv_caches[0][0].shape[0] == runner.num_blocks + 1
+    batch = prompts()
+    check_against_hf(engine, model, batch[:3])  # 3 decoding: padded to 4
+    check_against_hf(engine, model, batch[3:4])  # 1 decoding: padded to 2
+    graphed = len(batches)
+    check_against_hf(engine, model, batch)  # 6 decoding: past the largest graph, eager
+    assert sorted(set(batches)) == [1, 3] and graphed == len(batches)
+    assert runner.kv_caches[0][0][scratch].abs().sum() > 0  # the padding rows wrote there

@@ -54,9 +54,18 @@ class EngineConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     speculative_model: str | None = None
     speculative_max_batch_size: int = DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
+    # CUDA graphs for decode steps (worker/cuda_graphs.py), on CUDA with the Triton backend unless
+    # enforce_eager; the batch sizes captured (default: 1, 2, 4, 8, then every 16 up to 256).
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._check_speculation()
+        for size in self.cuda_graph_sizes or []:
+            if not 1 <= size <= self.max_num_seqs:
+                raise ValueError(
+                    f"--cuda-graph-sizes {size}: each size must be between 1 and --max-num-seqs ({self.max_num_seqs})"
+                )
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"{FLAG_QUANTIZATION} {self.quantization}: must be one of {', '.join(QUANTIZATION_METHODS)}"

@@ -111,7 +111,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         FLAG_NO_PREFIX_CACHING, action="store_true", help="turn off prefix caching of KV blocks"
     )
-    group.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS)
+    group.add_argument(
+        "--attention-backend",
+        default=defaults.attention_backend,
+        choices=ATTENTION_BACKENDS,
+        help="auto: triton on CUDA; on the CPU, cpu (a decode kernel compiled on first use) for float32 "
+        "where a C compiler is found, else torch",
+    )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run every decode step kernel by kernel (graphs are CUDA-only)",
+    )
+    group.add_argument(
+        "--cuda-graph-sizes",
+        type=positive_counts,
+        default=None,
+        help="decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16 (default: 1, 2, 4, 8, then "
+        "every 16 up to 256 or --max-num-seqs); a larger batch runs without a graph",
+    )
     group.add_argument(
         FLAG_SCHEDULING_POLICY,
         choices=SCHEDULING_POLICIES,
@@ -216,4 +234,6 @@ def engine_config_from_args(args: argparse.Namespace, show_progress: bool = Fals
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
         speculative_max_batch_size=args.speculative_max_batch_size,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
     )

@@ -34,6 +34,9 @@ class AttentionMetadata:
     decode_requests: list[int]  # requests with exactly one new token
     prefill_requests: list[int]  # requests with a chunk of several new tokens
     decode_token_index: torch.Tensor  # [len(decode_requests)] long: their tokens in the flat batch
+    # Set for a CUDA graph's step (worker/cuda_graphs.py): every row decodes, and attention sizes its launch
+    # for sequences up to this length instead of reading this step's lengths on the host.
+    decode_len_bound: int | None = None
     # What a backend derives from the above once per step and reuses in every layer (device tensors such
     # as the Triton prefill's tile table). The torch path leaves it empty.
     backend_cache: dict[str, object] = field(default_factory=dict)

@@ -338,6 +338,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.decode_len_bound is not None:  # a CUDA graph's step: static tensors only, no host values
+            return paged_decode_attention(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, scale, max_seq_len=meta.decode_len_bound
+            )  # fmt: skip
         out = torch.empty_like(query)
         if meta.prefill_requests:
             # All prefill chunks in one launch, with tables built once per step and reused by every layer.

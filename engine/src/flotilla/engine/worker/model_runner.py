@@ -19,6 +19,7 @@ from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model, resolve_device, resolve_dtype
 from flotilla.engine.model.quantize import bf16_weight_bytes, kernels_in_use, weight_bytes
 from flotilla.engine.worker.batch import BatchRow, build_batch
+from flotilla.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from flotilla.engine.worker.draft_proposer import DraftProposer
 from flotilla.engine.worker.rejection_sampler import RejectionSampler
 from flotilla.engine.worker.sampler import SAMPLER_LABEL, Sampler
@@ -105,7 +106,14 @@ class ModelRunner:
                 self.max_model_len,
             )
             self.max_model_len = self.num_blocks * self.block_size
-        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        # One block more than the pool hands out: the scratch block CUDA graphs' padding rows write to.
+        self.scratch_block = self.num_blocks
+        shape = (
+            self.num_blocks + 1,
+            self.block_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+        )
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -136,6 +144,28 @@ class ModelRunner:
                 sampler=self.sampler,
                 show_progress=config.show_progress,
             )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
+            self.enable_decode_graphs(capture=True)
+
+    def enable_decode_graphs(self, capture: bool) -> None:
+        """Decode steps through DecodeGraphs: captured CUDA graphs, or (capture=False, what the CPU tests
+        run) the same static buffers and padding run eagerly."""
+
+        def forward(input_ids, positions, meta):
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+
+        self.graphs = DecodeGraphs(
+            forward,
+            capture_sizes(self.config.max_num_seqs, self.config.cuda_graph_sizes),
+            device=self.device,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            scratch_block=self.scratch_block,
+            capture=capture,
+        )
+        with torch.inference_mode():
+            self.graphs.capture_all(log.info if self.config.show_progress else lambda _msg: None)
 
     def _num_kv_blocks(self) -> int:
         dtype_size = torch.finfo(self.dtype).bits // 8
@@ -168,12 +198,17 @@ class ModelRunner:
             request, start = item.request, item.num_computed_tokens
             known = request.all_token_ids[start : start + item.num_new_tokens - len(item.spec_token_ids)]
             rows.append(BatchRow(known + item.spec_token_ids, start, request.block_ids))
-        batch = build_batch(rows, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        if self.graphs is not None and self.graphs.covers(rows):
+            hidden = self.graphs.run(rows)
+            row_ends = list(range(1, len(rows) + 1))
+        else:
+            batch = build_batch(rows, self.block_size, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+            row_ends = batch.row_ends
         # The rows whose logits pick tokens: a sampling request's last, and one more per draft before it.
         sample_rows: list[int] = []
         sampling = []
-        for item, end in zip(out.scheduled, batch.row_ends, strict=True):
+        for item, end in zip(out.scheduled, row_ends, strict=True):
             if item.samples:
                 sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
                 sampling.append(item)
