@@ -7,7 +7,7 @@
  *   query, out    [B, H, D]          (D a multiple of 8, at most MAX_HEAD_DIM)
  *   k/v cache     [num_blocks, block_size, KVH, D]
  *   block_tables  [B, table_stride] int32; seq_lens [B] int32 (tokens to attend, >= 1)
- * Work items are (request, KV head) pairs, shared among OpenMP threads. The library is loaded after torch,
+ * Work items are a request's KV heads (or one of them, in small batches), shared among OpenMP threads. The library is loaded after torch,
  * whose libgomp.so.1 it then uses: one thread pool for torch's ops and this kernel.
  *
  * Vectors are GCC's generic 8-float vectors (one AVX register; the compiler splits them elsewhere). Scores
@@ -65,79 +65,98 @@ static inline v8f load8(const float *p) {
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
-/* One (request, KV head): the `group` query heads at q attend to `len` tokens through `table`. */
-static void attend_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int len,
-                       float *o, int group, int head_dim, int block_size, int64_t token_stride, float scale) {
+/* One request's `kv_count` KV heads from its first: their query heads (group per KV head, rows of q and o)
+ * attend to `len` tokens through `table`. Each block is read whole, heads after heads, while it is hot in
+ * the cache: a block of all KV heads is one contiguous run of memory, which the prefetcher streams. */
+static void attend_heads(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                         int len, float *o, int kv_count, int group, int head_dim, int block_size,
+                         int64_t token_stride, float scale) {
     const int nv = head_dim / 8;
+    const int rows = kv_count * group; /* <= MAX_GROUP */
     v8f acc[MAX_GROUP][MAX_HEAD_DIM / 8];
-    float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(32)));
+    float scores[MAX_GROUP][MAX_BLOCK + 8] __attribute__((aligned(32)));
     float running_max[MAX_GROUP], denom[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        running_max[g] = -INFINITY;
-        denom[g] = 0.0f;
-        for (int d = 0; d < nv; d++) acc[g][d] = splat(0.0f);
+    for (int h = 0; h < rows; h++) {
+        running_max[h] = -INFINITY;
+        denom[h] = 0.0f;
+        for (int d = 0; d < nv; d++) acc[h][d] = splat(0.0f);
     }
     for (int start = 0; start < len; start += block_size) {
         const int64_t block = table[start / block_size];
         const int n = len - start < block_size ? len - start : block_size;
-        const float *keys = k_cache + block * block_size * token_stride;
-        const float *values = v_cache + block * block_size * token_stride;
-        /* Scores, four tokens at a time (a partial last tile repeats its first token, unused). */
-        for (int t = 0; t < n; t += 4) {
-            const float *k0 = keys + (int64_t)t * token_stride;
-            const int tile = n - t < 4 ? n - t : 4;
-            const float *k1 = tile > 1 ? k0 + token_stride : k0;
-            const float *k2 = tile > 2 ? k0 + 2 * token_stride : k0;
-            const float *k3 = tile > 3 ? k0 + 3 * token_stride : k0;
-            for (int g = 0; g < group; g++) {
-                const float *qg = q + g * head_dim;
-                v8f s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
-                for (int d = 0; d < head_dim; d += 8) {
-                    const v8f qv = load8(qg + d);
-                    s0 += qv * load8(k0 + d);
-                    s1 += qv * load8(k1 + d);
-                    s2 += qv * load8(k2 + d);
-                    s3 += qv * load8(k3 + d);
+        if (start + block_size < len) { /* ask for the next block's lines while this one computes */
+            const int64_t next = table[start / block_size + 1] * block_size * token_stride;
+            const int bytes = kv_count * head_dim * (int)sizeof(float);
+            for (int t = 0; t < block_size; t++) {
+                const char *k = (const char *)(k_cache + next + t * token_stride);
+                const char *v = (const char *)(v_cache + next + t * token_stride);
+                for (int off = 0; off < bytes; off += 64) {
+                    __builtin_prefetch(k + off);
+                    __builtin_prefetch(v + off);
                 }
-                scores[g][t] = hsum(s0) * scale;
-                if (tile > 1) scores[g][t + 1] = hsum(s1) * scale;
-                if (tile > 2) scores[g][t + 2] = hsum(s2) * scale;
-                if (tile > 3) scores[g][t + 3] = hsum(s3) * scale;
             }
         }
-        /* Online softmax: rescale what came before to the new maximum, then weigh this block. */
-        for (int g = 0; g < group; g++) {
-            float block_max = scores[g][0];
-            for (int t = 1; t < n; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
-            const float new_max = block_max > running_max[g] ? block_max : running_max[g];
-            const float correction = expf(running_max[g] - new_max);
-            running_max[g] = new_max;
-            float sum = 0.0f;
-            for (int t = 0; t < n; t += 8) {
-                v8f p = exp_nonpositive(load8(&scores[g][t]) - splat(new_max));
-                for (int j = 0; j < 8; j++) {
-                    if (t + j >= n) p[j] = 0.0f;
+        for (int c = 0; c < kv_count; c++) {
+            const float *keys = k_cache + block * block_size * token_stride + (int64_t)c * head_dim;
+            const float *values = v_cache + block * block_size * token_stride + (int64_t)c * head_dim;
+            const int h0 = c * group;
+            /* Scores, four tokens at a time (a partial last tile repeats its first token, unused). */
+            for (int t = 0; t < n; t += 4) {
+                const float *k0 = keys + (int64_t)t * token_stride;
+                const int tile = n - t < 4 ? n - t : 4;
+                const float *k1 = tile > 1 ? k0 + token_stride : k0;
+                const float *k2 = tile > 2 ? k0 + 2 * token_stride : k0;
+                const float *k3 = tile > 3 ? k0 + 3 * token_stride : k0;
+                for (int h = h0; h < h0 + group; h++) {
+                    const float *qh = q + (int64_t)h * head_dim;
+                    v8f s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+                    for (int d = 0; d < head_dim; d += 8) {
+                        const v8f qv = load8(qh + d);
+                        s0 += qv * load8(k0 + d);
+                        s1 += qv * load8(k1 + d);
+                        s2 += qv * load8(k2 + d);
+                        s3 += qv * load8(k3 + d);
+                    }
+                    scores[h][t] = hsum(s0) * scale;
+                    if (tile > 1) scores[h][t + 1] = hsum(s1) * scale;
+                    if (tile > 2) scores[h][t + 2] = hsum(s2) * scale;
+                    if (tile > 3) scores[h][t + 3] = hsum(s3) * scale;
                 }
-                store8(&scores[g][t], p);
-                sum += hsum(p);
             }
-            denom[g] = denom[g] * correction + sum;
-            if (correction != 1.0f) {
-                const v8f c = splat(correction);
-                for (int d = 0; d < nv; d++) acc[g][d] *= c;
+            /* Online softmax: rescale what came before to the new maximum, then weigh this block. */
+            for (int h = h0; h < h0 + group; h++) {
+                float block_max = scores[h][0];
+                for (int t = 1; t < n; t++) block_max = scores[h][t] > block_max ? scores[h][t] : block_max;
+                const float new_max = block_max > running_max[h] ? block_max : running_max[h];
+                const float correction = expf(running_max[h] - new_max);
+                running_max[h] = new_max;
+                float sum = 0.0f;
+                for (int t = 0; t < n; t += 8) {
+                    v8f p = exp_nonpositive(load8(&scores[h][t]) - splat(new_max));
+                    for (int j = 0; j < 8; j++) {
+                        if (t + j >= n) p[j] = 0.0f;
+                    }
+                    store8(&scores[h][t], p);
+                    sum += hsum(p);
+                }
+                denom[h] = denom[h] * correction + sum;
+                if (correction != 1.0f) {
+                    const v8f cv = splat(correction);
+                    for (int d = 0; d < nv; d++) acc[h][d] *= cv;
+                }
             }
-        }
-        for (int t = 0; t < n; t++) {
-            const float *v = values + (int64_t)t * token_stride;
-            for (int g = 0; g < group; g++) {
-                const v8f p = splat(scores[g][t]);
-                for (int d = 0; d < nv; d++) acc[g][d] += p * load8(v + 8 * d);
+            for (int t = 0; t < n; t++) {
+                const float *v = values + (int64_t)t * token_stride;
+                for (int h = h0; h < h0 + group; h++) {
+                    const v8f p = splat(scores[h][t]);
+                    for (int d = 0; d < nv; d++) acc[h][d] += p * load8(v + 8 * d);
+                }
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        const v8f inv = splat(1.0f / denom[g]);
-        for (int d = 0; d < nv; d++) store8(o + g * head_dim + 8 * d, acc[g][d] * inv);
+    for (int h = 0; h < rows; h++) {
+        const v8f inv = splat(1.0f / denom[h]);
+        for (int d = 0; d < nv; d++) store8(o + (int64_t)h * head_dim + 8 * d, acc[h][d] * inv);
     }
 }
 
@@ -151,14 +170,21 @@ int flotilla_paged_decode_f32(const float *query, const float *k_cache, const fl
         num_heads % num_kv_heads)
         return -1;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    /* Work items: a request's KV heads in chunks of up to MAX_GROUP query heads, or one KV head each when
+       there are too few requests to keep every thread busy. */
+    int chunk = 1;
+    if (num_requests >= 4 * num_threads) chunk = MAX_GROUP / group < num_kv_heads ? MAX_GROUP / group : num_kv_heads;
+    const int chunks = (num_kv_heads + chunk - 1) / chunk;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int r = 0; r < num_requests; r++) {
-        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-            const int64_t first_head = (int64_t)r * num_heads + (int64_t)kvh * group;
-            attend_one(query + first_head * head_dim, k_cache + (int64_t)kvh * head_dim,
-                       v_cache + (int64_t)kvh * head_dim, block_tables + (int64_t)r * table_stride, seq_lens[r],
-                       out + first_head * head_dim, group, head_dim, block_size, token_stride, scale);
+        for (int c = 0; c < chunks; c++) {
+            const int first = c * chunk;
+            const int count = num_kv_heads - first < chunk ? num_kv_heads - first : chunk;
+            const int64_t first_head = (int64_t)r * num_heads + (int64_t)first * group;
+            attend_heads(query + first_head * head_dim, k_cache + (int64_t)first * head_dim,
+                         v_cache + (int64_t)first * head_dim, block_tables + (int64_t)r * table_stride, seq_lens[r],
+                         out + first_head * head_dim, count, group, head_dim, block_size, token_stride, scale);
         }
     }
     return 0;
