@@ -1,6 +1,6 @@
 """The engine's greedy output is token-for-token what transformers generates, and its logprobs are
-within 1e-4, for every supported architecture, with prefix-cache hits, with 7-token prefill chunks and
-under preemption."""
+within 1e-4, for every supported architecture, with prefix-cache hits, with 7-token prefill chunks, under
+preemption, on both CPU attention backends and through the CUDA-graph path's buffers."""
 
 from __future__ import annotations
 
@@ -79,7 +79,18 @@ def check_against_hf(engine: LLMEngine, model, batch: list[list[int]]):
 @pytest.mark.parametrize("arch", ["llama-gqa", "llama-mqa-tied-headdim", "qwen2-bias-tied", "mistral"])
 def test_greedy_matches_transformers(hf_models, arch):
     folder, model = hf_models(arch)
-    check_against_hf(make_engine(folder), model, prompts())
+    engine = make_engine(folder)
+    assert engine.runner.backend.name == "cpu"  # float32 on the CPU with a compiler: the compiled kernel
+    check_against_hf(engine, model, prompts())
+
+
+def test_the_torch_backend_matches_too(hf_models):
+    """auto picks the compiled cpu kernel here; the torch path (the fallback without a compiler, and for
+    other dtypes) must match as well."""
+    folder, model = hf_models("llama-gqa")
+    engine = make_engine(folder, attention_backend="torch")
+    assert engine.runner.backend.name == "torch"
+    check_against_hf(engine, model, prompts())
 
 
 def test_matches_with_prefix_cache_hits(hf_models):
