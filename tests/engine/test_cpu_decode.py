@@ -82,3 +82,30 @@ def test_the_onednn_linear_matches_f_linear_and_keeps_autograd():
     assert not uses_onednn(x, layer.weight)
     layer(x).sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.shape == (40, 48)
+
+
+def test_packing_for_the_cpu_keeps_the_outputs_and_leaves_shared_weights_plain():
+    from torch import nn
+
+    from flotilla.engine.kernels.linear import pack_for_cpu
+
+    model = nn.Module()
+    model.embed = nn.Embedding(40, 48)
+    model.proj = Linear(48, 40, bias=True)
+    model.head = Linear(48, 40, bias=False)
+    model.head.weight = model.embed.weight  # tied, like an LM head sharing the embedding
+    model.bf16 = Linear(48, 40).bfloat16()
+    x = torch.randn(7, 48)
+    with torch.inference_mode():
+        before = model.proj(x), model.head(x)
+    if not torch.backends.mkldnn.is_available():
+        assert pack_for_cpu(model) == 0
+        return
+    assert pack_for_cpu(model) == 1  # proj only: head is shared, bf16 is not float32
+    assert model.proj.weight.is_mkldnn and not model.head.weight.is_mkldnn and not model.bf16.weight.is_mkldnn
+    assert model.head.weight is model.embed.weight
+    with torch.inference_mode():
+        torch.testing.assert_close(model.proj(x), before[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.head(x), before[1])
+        assert model.proj(torch.randn(300, 48)).shape == (300, 40)  # any batch size, not only the packed one
+    assert pack_for_cpu(model) == 0  # idempotent

@@ -5,6 +5,10 @@ model's layers at 60-125 GFLOP/s; oneDNN's own kernel (`mkldnn::_linear_pointwis
 emits for a CPU linear) ran the same layers 1.3-1.7x faster on 2 threads, with errors of the same size
 against float64 (a few 1e-6). Everything else (other dtypes, CUDA, autograd: the op has no backward)
 keeps `F.linear`.
+
+`pack_for_cpu` goes one step further for a model that only serves: each weight is replaced, in place, by
+oneDNN's blocked layout, which it would otherwise rebuild on every call. Packed for 64 tokens, the model's
+layers ran at 1.6x the plain weight's rate at 16 tokens, 1.15x at 64 and 1.1x at 256 (2 threads).
 """
 
 from __future__ import annotations
@@ -41,7 +45,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose forward is `linear` above."""
+    """nn.Linear (same parameters, same state dict) whose forward is `linear` above, or oneDNN's op on a
+    weight `pack_for_cpu` packed."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")
         return linear(input, self.weight, self.bias)
+
+
+# The batch size the packed layout is chosen for; it serves every batch size.
+PACK_BATCH_TOKENS = 64
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Packs every float32 CPU `Linear` weight of a serving model for oneDNN, in place (the plain copy is
+    freed, so memory does not grow); returns how many. A weight another module shares (an LM head tied to
+    the embedding) stays plain. Afterwards the model runs inference only, and its state dict holds oneDNN
+    tensors: take weight sizes before."""
+    if not _ONEDNN:
+        return 0
+    shared = {
+        id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)
+    }
+    packed = 0
+    for module in model.modules():
+        weight = module.weight if isinstance(module, Linear) else None
+        if weight is None or weight.is_mkldnn or id(weight) in shared:
+            continue
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            layout = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_TOKENS)
+            module.weight = nn.Parameter(layout, requires_grad=False)
+            packed += 1
+    return packed

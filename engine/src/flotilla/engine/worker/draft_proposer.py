@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flotilla.engine.core.request import Request
+from flotilla.engine.kernels.linear import pack_for_cpu
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model
 from flotilla.engine.worker.batch import BatchRow, build_batch
@@ -39,6 +40,7 @@ class DraftProposer:
         self.backend = backend
         self.sampler = sampler
         self.model = load_model(folder, dtype, device, max_model_len, show_progress)
+        pack_for_cpu(self.model)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

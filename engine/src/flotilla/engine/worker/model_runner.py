@@ -15,6 +15,7 @@ from flotilla.engine.core.outputs import ModelInfo, SampledLogprob
 from flotilla.engine.core.scheduler import SchedulerOutput
 from flotilla.engine.kernels import cpu_decode
 from flotilla.engine.kernels.attention import TorchAttentionBackend
+from flotilla.engine.kernels.linear import pack_for_cpu
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model, resolve_device, resolve_dtype
 from flotilla.engine.model.quantize import bf16_weight_bytes, kernels_in_use, weight_bytes
@@ -97,6 +98,7 @@ class ModelRunner:
             kernels=kernels_in_use(self.model),
         )
         log.info("model %s: %s", config.model, self.model_info.describe())
+        pack_for_cpu(self.model)  # after the weight sizes above: packed weights have no plain storage
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         if self.num_blocks * self.block_size < self.max_model_len:
