@@ -2,9 +2,9 @@
 with ctypes, called on torch tensors' memory.
 
 The build is a plain shared library (no torch headers: about a second), tuned for the machine it runs on
-(-march=native), cached under $XDG_CACHE_HOME/flotilla/kernels by a hash of the source and the flags. The
-engine image has gcc (Triton needs it too); where no compiler works, `load()` says why and the torch path
-serves instead.
+(-march=native), cached under $XDG_CACHE_HOME/flotilla/kernels by a hash of the source, the flags and the
+CPU's features. The engine image has gcc (Triton needs it too); where no compiler works, `load()` says why
+and the torch path serves instead.
 """
 
 from __future__ import annotations
@@ -68,11 +68,22 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags: -march=native builds for them, so a cache shared between machines (a
+    network home) keeps one library per kind of CPU instead of one that faults on an older CPU."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
 @cache
 def load() -> ctypes.CDLL:
     """The built library (built now if not cached). Raises KernelUnavailable with the reason."""
     compiler = _compiler()
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    identity = "\0".join((compiler, *FLAGS, _cpu_features())).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + identity).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode-{key}.so"
     if not target.exists():
         try:
