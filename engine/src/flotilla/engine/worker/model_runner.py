@@ -166,8 +166,14 @@ class ModelRunner:
             scratch_block=self.scratch_block,
             capture=capture,
         )
-        with torch.inference_mode():
-            self.graphs.capture_all(log.info if self.config.show_progress else lambda _msg: None)
+        try:
+            with torch.inference_mode():
+                self.graphs.capture_all(log.info if self.config.show_progress else lambda _msg: None)
+        except Exception as exc:  # an op that cannot be captured: serve, kernel by kernel
+            if not capture:
+                raise
+            log.warning("CUDA graph capture failed, decode steps run without graphs: %s", exc)
+            self.graphs = None
 
     def _num_kv_blocks(self) -> int:
         dtype_size = torch.finfo(self.dtype).bits // 8
