@@ -14,7 +14,7 @@ from torch.profiler import record_function
 from flotilla.engine.kernels.attention import ATTENTION_LABEL, AttentionMetadata
 from flotilla.engine.kernels.linear import Linear
 from flotilla.engine.model.config import ModelConfig
-from flotilla.engine.model.rope import RotaryEmbedding
+from flotilla.engine.model.rope import RotaryEmbedding, Rotation, rotate
 
 
 class RMSNorm(nn.Module):
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -42,15 +42,16 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.rope = rope
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, rotation: Rotation, hidden, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        # Queries and keys are adjacent in qkv: rotate them as one [T, H + KVH, D] view.
+        qk = rotate(
+            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+            rotation,
+        )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         # Store before attending: a chunk attends to itself through the cache, and requests admitted
         # in the same step may share blocks written now.
@@ -73,15 +74,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rope)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, hidden, kv_cache, meta, backend):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, backend)
+    def forward(self, rotation: Rotation, hidden, kv_cache, meta, backend):
+        hidden = hidden + self.self_attn(rotation, self.input_layernorm(hidden), kv_cache, meta, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -89,15 +90,15 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.rotary = rope  # owned here once; every layer shares it
-        self.layers = nn.ModuleList(DecoderLayer(config, rope) for _ in range(config.num_hidden_layers))
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend):
         hidden = self.embed_tokens(input_ids)
+        rotation = self.rotary.rotation(positions, hidden.dtype)  # the same positions in every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, backend)
+            hidden = layer(rotation, hidden, kv_cache, meta, backend)
         return self.norm(hidden)
 
 

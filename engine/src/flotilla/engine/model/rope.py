@@ -51,11 +51,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KVH, D]; returns rotated copies in the input dtype."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """cos and sin at `positions`, [T, 1, D] in `dtype`: looked up once per forward, used by every
+        layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+Rotation = tuple[torch.Tensor, torch.Tensor]
+
+
+def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """x: [T, heads, D] (queries and keys together, in one pass); returns a rotated copy."""
+    cos, sin = rotation
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
