@@ -39,18 +39,17 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if uses_onednn(x, weight):
+    """oneDNN's op for a weight `pack_for_cpu` packed (only it reads that layout) or where `uses_onednn`;
+    F.linear otherwise."""
+    if weight.is_mkldnn or uses_onednn(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose forward is `linear` above, or oneDNN's op on a
-    weight `pack_for_cpu` packed."""
+    """nn.Linear (same parameters, same state dict) whose forward is `linear` above."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")
         return linear(input, self.weight, self.bias)
 
 

@@ -7,8 +7,9 @@
  *   query, out    [B, H, D]          (D a multiple of 8, at most MAX_HEAD_DIM)
  *   k/v cache     [num_blocks, block_size, KVH, D]
  *   block_tables  [B, table_stride] int32; seq_lens [B] int32 (tokens to attend, >= 1)
- * Work items are a request's KV heads (or one of them, in small batches), shared among OpenMP threads. The library is loaded after torch,
- * whose libgomp.so.1 it then uses: one thread pool for torch's ops and this kernel.
+ * Work items are a request's KV heads (or one of them, in small batches), shared among OpenMP threads.
+ * The library is loaded after torch, whose libgomp.so.1 it then uses: one thread pool for torch's ops and
+ * this kernel.
  *
  * Vectors are GCC's generic 8-float vectors (one AVX register; the compiler splits them elsewhere). Scores
  * are computed four tokens at a time so four FMA chains run at once; exp is a polynomial on vectors

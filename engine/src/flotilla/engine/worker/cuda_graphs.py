@@ -129,41 +129,42 @@ class DecodeGraphs:
 
     def _pad_all(self) -> None:
         """Every row a padding row: what the capture runs on."""
-        self._fill(0, self.sizes[-1], [], [], [], [])
+        self._fill(self.sizes[-1], [], [], [], [])
 
-    def _fill(self, start: int, end: int, ids, positions, slots, tables) -> None:
-        """Rows start..end get the given values; the rest of them, up to `end`, become padding rows."""
-        real = len(ids)
-        scratch_slot = self.scratch_block * self.block_size
-        pad = end - start - real
-        buf = self.inputs
-        buf.input_ids[start:end].copy_(torch.tensor(list(ids) + [0] * pad), non_blocking=True)
-        buf.positions[start:end].copy_(torch.tensor(list(positions) + [0] * pad), non_blocking=True)
-        buf.slot_mapping[start:end].copy_(torch.tensor(list(slots) + [scratch_slot] * pad), non_blocking=True)
-        lens = [p + 1 for p in positions] + [1] * pad
-        buf.seq_lens[start:end].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+    def _fill(self, n: int, ids, positions, slots, tables) -> list[int]:
+        """The first n rows get the given values, those past them become padding rows; returns the n
+        sequence lengths."""
+        pad = n - len(ids)
         width, scratch = self.table_width, self.scratch_block
+        buf = self.inputs
+        buf.input_ids[:n].copy_(torch.tensor(list(ids) + [0] * pad), non_blocking=True)
+        buf.positions[:n].copy_(torch.tensor(list(positions) + [0] * pad), non_blocking=True)
+        scratch_slot = scratch * self.block_size
+        buf.slot_mapping[:n].copy_(torch.tensor(list(slots) + [scratch_slot] * pad), non_blocking=True)
+        lens = [p + 1 for p in positions] + [1] * pad
+        buf.seq_lens[:n].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         # Positions stay below max_model_len, so no request needs more than `width` blocks here.
         table = [blocks[:width] + [scratch] * (width - len(blocks[:width])) for blocks in tables]
         table += [[scratch] * width] * pad
-        buf.block_tables[start:end].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        buf.block_tables[:n].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        return lens
 
     def run(self, rows: Sequence[BatchRow]) -> torch.Tensor:
         """The hidden states [len(rows), hidden] of a decode step `covers` accepted."""
         n = padded_size(self.sizes, len(rows))
-        assert n is not None and self.covers(rows)
+        assert n is not None
         bs = self.block_size
         positions = [row.start for row in rows]
         slots = [row.block_ids[p // bs] * bs + p % bs for row, p in zip(rows, positions, strict=True)]
-        self._fill(
-            0, n, [row.token_ids[0] for row in rows], positions, slots, [row.block_ids for row in rows]
+        lens = self._fill(
+            n, [row.token_ids[0] for row in rows], positions, slots, [row.block_ids for row in rows]
         )
         meta = self.metas[n]
         if n in self.graphs:
             self.graphs[n].replay()
             return self.outputs[n][: len(rows)]
         # Eager: the same buffers and padding, with this step's host lists for the torch backends' plans.
-        meta.seq_lens = [p + 1 for p in positions] + [1] * (n - len(rows))
-        meta.context_lens = [p for p in positions] + [0] * (n - len(rows))
+        meta.seq_lens = lens
+        meta.context_lens = [length - 1 for length in lens]
         meta.backend_cache.clear()
         return self.forward(self.inputs.input_ids[:n], self.inputs.positions[:n], meta)[: len(rows)]
