@@ -89,3 +89,31 @@ def test_connections_reach_a_ready_pod_and_are_refused_without_one():
     finally:
         proxy.close()
         server.close()
+
+
+def test_a_released_node_port_is_taken_again_at_once():
+    """A chart reinstall deletes the Service and makes it again with the same nodePort: the listener must
+    bind at the first sync after, not after a connection happens to wake the old accept thread."""
+    proxy = NodePortProxy("127.0.0.1", lambda namespace, selector: [], log=lambda _: None)
+    node_port = free_port()
+    try:
+        for round_ in range(3):
+            proxy.sync([_service(f"webhook-{round_}", node_port=node_port)])
+            assert node_port in proxy.listeners, f"round {round_}: nodePort {node_port} not bound"
+            wait_for(lambda: _blocked_in_accept(f"nodeport-{node_port}"), 10, "the accept thread to block")
+            proxy.sync([])
+            assert not proxy.listeners
+    finally:
+        proxy.close()
+
+
+def _blocked_in_accept(thread_name: str) -> bool:
+    """Whether the thread is asleep in accept(2) (the kernel's wait channel), the state a release must end."""
+    for thread in threading.enumerate():
+        if thread.name == thread_name and thread.native_id is not None:
+            try:
+                with open(f"/proc/self/task/{thread.native_id}/wchan") as wchan:
+                    return "accept" in wchan.read()
+            except OSError:
+                return False
+    return False

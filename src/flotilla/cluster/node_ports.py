@@ -88,7 +88,7 @@ class NodePortProxy:
         with self.lock:
             for number in list(self.listeners):
                 if number not in wanted or wanted[number] != self.listeners[number][0]:
-                    self.listeners.pop(number)[1].close()
+                    _release(self.listeners.pop(number)[1])
             for number, port in wanted.items():
                 if number not in self.listeners:
                     self._listen(port)
@@ -150,8 +150,17 @@ class NodePortProxy:
         self.closed.set()
         with self.lock:
             for _, sock in self.listeners.values():
-                sock.close()
+                _release(sock)
             self.listeners.clear()
+
+
+def _release(sock: socket.socket) -> None:
+    """Frees the port at once. close() alone does not: the accept thread blocked in accept(2) keeps the
+    kernel's socket, still bound, until a connection arrives, so a Service recreated with the same
+    nodePort (a chart reinstall) could not bind it (EADDRINUSE). shutdown(2) wakes that accept first."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:
