@@ -18,12 +18,14 @@ from flotilla.gateway.core.services import (
     scales_from_zero,
     service_view,
 )
+from flotilla.ownership import Owner
 
 OWNERS = {"team-a": "a", "team-a-dev": "a", "team-b": "b", "secret-lab-b": "b"}
 
 
-def tenant_of(namespace: str) -> str | None:
-    return OWNERS.get(namespace)
+def tenant_of(namespace: str) -> Owner:
+    owner = OWNERS.get(namespace)
+    return Owner(namespace, (owner,) if owner else ())
 
 
 def isvc(namespace: str, name: str, **spec: Any) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from flotilla.operator.config import OperatorConfig
 from flotilla.operator.desired.admission import review_service
 from flotilla.operator.desired.reconcile import World, plan
 from flotilla.operator.tenancy.admission import charge, review
-from flotilla.operator.tenancy.quota import Held, Ledger
+from flotilla.operator.tenancy.quota import Held
+from flotilla.operator.tenancy.reservations import Reservation, Stored, charges, live, parse, serialize
 
 TENANT = TenantSpec(namespaces=["a"], gpu_quota={"h100": 4}, max_services=3)
 
@@ -77,46 +78,75 @@ def test_no_tenant_unknown_type_and_max_services_are_refused():
     assert not many.allowed and "maxServices is 3" in many.message
 
 
-def test_reservations_count_until_the_index_catches_up_or_they_expire():
-    now = [0.0]
-    ledger = Ledger(ttl=30, clock=lambda: now[0])
-    ledger.reserve(Held(("a", "x"), "t", "h100", 2))
-    assert [h.gpus for h in _held(ledger, "t", {}, exclude=("a", "y"))] == [2]
-    indexed = {("a", "x"): Held(("a", "x"), "t", "h100", 2)}
-    _held(ledger, "t", indexed, exclude=("a", "y"))  # the index shows it: the reservation goes
-    assert _held(ledger, "t", {}, exclude=("a", "y")) == []
-    ledger.reserve(Held(("a", "z"), "t", "h100", 1))
-    now[0] = 31
-    assert _held(ledger, "t", {}, exclude=("a", "y")) == []
+def test_a_reservation_counts_until_stored_replaced_or_expired():
+    key = ("a", "x")
+    mine = Reservation(Held(key, "t", "h100", 2), "uid-1", expires=100.0)
+    assert live([mine], {}, now=10) == [mine]  # not stored yet
+    assert live([mine], {}, now=100) == []  # expired: stored or failed by now
+    stored_same = {key: Stored("uid-1", Held(key, "t", "h100", 2))}
+    assert live([mine], stored_same, now=10) == []  # confirmed by the stored object
+    stored_older = {key: Stored("uid-1", Held(key, "t", "h100", 1))}
+    assert live([mine], stored_older, now=10) == [mine]  # an update not stored yet
+    replaced = {key: Stored("uid-2", Held(key, "t", "h100", 1))}
+    assert live([mine], replaced, now=10) == []  # its object was deleted and another took the name
 
 
-def _held(ledger: Ledger, tenant: str, indexed: dict, exclude) -> list[Held]:
-    """What the webhook does each review: the index's charges, then the tenant's other services."""
-    ledger.settle(indexed)
-    return ledger.others(exclude, tenant)
+def test_charges_take_the_larger_of_stored_and_reserved_and_both_types():
+    key = ("a", "x")
+    stored = {key: Stored("u", Held(key, "t", "h100", 1)), ("a", "y"): Stored("v", None)}
+    grow = Reservation(Held(key, "t", "h100", 3), "u", 1e9)
+    assert charges(stored, [grow]) == [Held(key, "t", "h100", 3)]
+    move = Reservation(Held(key, "t", "a100", 1), "u", 1e9)
+    assert charges(stored, [move]) == [Held(key, "t", "a100", 1), Held(key, "t", "h100", 1)]
+    # Counted as one service for maxServices, though charged twice.
+    spec_ = TenantSpec(namespaces=["a"], gpu_quota={"h100": 4, "a100": 4}, max_services=2)
+    second = review(key=("a", "z"), tenant="t", tenant_spec=spec_, new=charge(spec()), old=None,
+                    others=charges(stored, [move]))  # fmt: skip
+    assert second.allowed
 
 
-def test_concurrent_admissions_cannot_both_pass():
-    ledger, admitted = Ledger(), []
-    tenant = TenantSpec(namespaces=["a"], gpu_quota={"h100": 2})
-    barrier = threading.Barrier(8)
+def test_reservations_survive_the_configmap_round_trip():
+    held = [Reservation(Held(("ns", "svc.v2"), "t", "h100", 2), "u", 12.5),
+            Reservation(Held(("ns", "b"), "t", None, 0), "", 13.0)]  # fmt: skip
+    data = serialize(held)
+    assert sorted(data) == ["ns.b", "ns.svc.v2"]
+    assert sorted(parse("t", {**data, "ns.bad": "{not json"}), key=lambda r: r.key) == sorted(
+        held, key=lambda r: r.key
+    )
+
+
+def test_concurrent_reviews_serialize_on_the_reservation_write():
+    """Eight reviews race on one tenant's ConfigMap, written only if its version is still the one read
+    (what the API server's resourceVersion check does): exactly the quota is admitted."""
+    lock = threading.Lock()
+    store: dict = {"version": 0, "data": {}}
+    tenant = TenantSpec(namespaces=["a"], gpu_quota={"h100": 3})
+    admitted, barrier = [], threading.Barrier(8)
 
     def admit(i: int) -> None:
         barrier.wait()
         key = ("a", f"s{i}")
-        with ledger.lock:
+        while True:
+            with lock:
+                version, data = store["version"], dict(store["data"])
+            reservations = live(parse("t", data), {}, now=0)
             verdict = review(key=key, tenant="t", tenant_spec=tenant, new=charge(spec()), old=None,
-                             others=_held(ledger, "t", {}, exclude=key))  # fmt: skip
-            if verdict.allowed:
-                ledger.reserve(Held(key, "t", "h100", 1))
-                admitted.append(i)
+                             others=charges({}, reservations))  # fmt: skip
+            if not verdict.allowed:
+                return
+            new = serialize([*reservations, Reservation(Held(key, "t", "h100", 1), f"u{i}", 30)])
+            with lock:
+                if store["version"] == version:  # the compare-and-swap
+                    store["version"], store["data"] = version + 1, new
+                    admitted.append(i)
+                    return
 
     threads = [threading.Thread(target=admit, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(admitted) == 2
+    assert len(admitted) == 3
 
 
 def test_the_webhook_refuses_min_over_max_with_the_reconcilers_own_message():

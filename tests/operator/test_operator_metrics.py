@@ -15,12 +15,13 @@ from prometheus_client.utils import floatToGoString
 
 from flotilla import contract
 from flotilla.operator.api.v1alpha1 import MeteringLedger, TenantSpec, TenantStatus
+from flotilla.operator.clients.quota_ledger import World
 from flotilla.operator.controllers import admission
-from flotilla.operator.controllers.state import AdmissionState
 from flotilla.operator.controllers.sync import _write
 from flotilla.operator.desired.status import service_figures
 from flotilla.operator.metrics import SERVICES, ServiceCollector, ServiceFigures, slo_bucket
 from flotilla.operator.tenancy.metering_metrics import TenantCollector, month_cost
+from flotilla.operator.tenancy.reservations import parse, serialize
 
 
 def ts(text: str) -> float:
@@ -157,18 +158,34 @@ def _denials(tenant: str, reason: str) -> float:
     return REGISTRY.get_sample_value(name, {"tenant": tenant, "reason": reason}) or 0.0
 
 
-def admit(
-    body: dict, namespace: str, name: str, memo: kopf.Memo, indexes: dict, dryrun: bool = False
-) -> None:
-    admission.admit_service(
-        body=body, old=None, namespace=namespace, name=name, dryrun=dryrun, memo=memo, **indexes
-    )
+class MemoryLedger:
+    """The webhook's ledger with the API's tenancy world and ConfigMaps held in memory (the real one is
+    attacked on the cluster by e2e/test_admission_ha.py); here only the refusal counters are under test."""
+
+    def __init__(self, tenants: dict[str, dict]):
+        self.tenants, self.data, self.version = tenants, {}, 0
+
+    def world(self, *, services: bool = True) -> World:
+        specs = {name: TenantSpec.model_validate(spec) for name, spec in self.tenants.items()}
+        return World(tenants=specs, tenant_uids={name: "" for name in specs})
+
+    def read(self, tenant: str):
+        return parse(tenant, self.data), str(self.version)
+
+    def write(self, tenant, tenant_uid, reservations, version) -> bool:
+        self.data, self.version = serialize(reservations), self.version + 1
+        return True
+
+
+def admit(body: dict, namespace: str, name: str, memo: kopf.Memo, dryrun: bool = False) -> None:
+    # kopf passes many more keyword arguments; the handler reads only these.
+    given: dict = {"body": body, "old": None, "namespace": namespace, "name": name, "dryrun": dryrun}
+    admission.admit_service(memo=memo, **given)
 
 
 def test_admission_refusals_are_counted_by_tenant_and_reason():
     spec = {"gpuQuota": {"h100": 2}, "namespaces": ["team-m"]}
-    indexes = {"tenants": {"metrics-t": [spec]}, "namespace_labels": {}, "services": {}}
-    memo = kopf.Memo(admission=AdmissionState())
+    memo = kopf.Memo(admission=MemoryLedger({"metrics-t": spec}))
     body = {
         "spec": {
             "model": {"uri": "file:///m"},
@@ -178,24 +195,24 @@ def test_admission_refusals_are_counted_by_tenant_and_reason():
     }
     before = _denials("metrics-t", "QuotaExceeded")
     with pytest.raises(kopf.AdmissionError):
-        admit(body, "team-m", "chat", memo, indexes)
+        admit(body, "team-m", "chat", memo)
     assert _denials("metrics-t", "QuotaExceeded") == before + 1
 
     before = _denials("", "NoTenant")
     with pytest.raises(kopf.AdmissionError):
-        admit(body, "nobodys", "chat", memo, indexes, dryrun=True)
+        admit(body, "nobodys", "chat", memo, dryrun=True)
     assert _denials("", "NoTenant") == before + 1
 
     before = _denials("metrics-u", "TenantConflict")
     tenant = {"spec": {"namespaces": ["team-m"]}}
     with pytest.raises(kopf.AdmissionError):
-        admission.admit_tenant(body=tenant, name="metrics-u", dryrun=False, memo=memo, **indexes)
+        admission.admit_tenant(memo=memo, **{"body": tenant, "name": "metrics-u"})
     assert _denials("metrics-u", "TenantConflict") == before + 1
 
     # Admitted: nothing counted.
     ok = {"spec": {**body["spec"], "replicas": 1}}
     before = _denials("metrics-t", "QuotaExceeded")
-    admit(ok, "team-m", "small", memo, indexes)
+    admit(ok, "team-m", "small", memo)
     assert _denials("metrics-t", "QuotaExceeded") == before
 
 

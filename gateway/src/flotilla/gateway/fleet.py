@@ -28,6 +28,7 @@ from flotilla.gateway.core.keys import KeyRing
 from flotilla.gateway.core.rate_limit import RateLimits, rate_limits_of
 from flotilla.gateway.core.services import Endpoint, ModelIndex, ServiceView, service_view
 from flotilla.gateway.kube import Kube, WatchEvent
+from flotilla.ownership import owner_of
 
 log = logging.getLogger("flotilla.gateway.fleet")
 
@@ -87,8 +88,9 @@ class StaticFleet(Fleet):
 
 
 class KubeFleet(Fleet):
-    """Watches InferenceServices and their pods cluster-wide, Tenants, and the key Secrets in one namespace
-    (the gateway's own: reading Secrets anywhere else is a privilege it does not need)."""
+    """Watches InferenceServices and their pods cluster-wide, Tenants, namespaces (their labels: a Tenant
+    may claim a namespace by label), and the key Secrets in one namespace (the gateway's own: reading
+    Secrets anywhere else is a privilege it does not need)."""
 
     def __init__(self, kube: Kube, keys_namespace: str) -> None:
         super().__init__()
@@ -96,6 +98,7 @@ class KubeFleet(Fleet):
         self.services: dict[Key, dict] = {}
         self.pods: dict[Key, dict] = {}
         self.tenants: dict[str, dict] = {}
+        self.namespaces: dict[str, dict] = {}
         self.secrets: dict[Key, dict] = {}
         self._listed: set[str] = set()
 
@@ -105,6 +108,7 @@ class KubeFleet(Fleet):
             "services": (f"{group}/{INFERENCE_SERVICES}", None, self.services),
             "pods": ("/api/v1/pods", {"labelSelector": POD_SERVICE_LABEL}, self.pods),
             "tenants": (f"{group}/{TENANTS}", None, self.tenants),
+            "namespaces": ("/api/v1/namespaces", None, self.namespaces),
             "secrets": (
                 f"/api/v1/namespaces/{self.keys_namespace}/secrets",
                 {"labelSelector": API_KEY_SECRET_LABEL},
@@ -118,10 +122,10 @@ class KubeFleet(Fleet):
                 )
 
     def _handler(self, name: str, store: dict, total: int) -> Callable[[WatchEvent], None]:
-        tenants = store is self.tenants
+        by_name = store is self.tenants or store is self.namespaces  # cluster-scoped kinds
 
         def key_of(obj: dict) -> Any:
-            return (obj.get("metadata") or {}).get("name") if tenants else _key(obj)
+            return (obj.get("metadata") or {}).get("name") if by_name else _key(obj)
 
         def handle(event: WatchEvent) -> None:
             kind, obj = event
@@ -140,17 +144,20 @@ class KubeFleet(Fleet):
         return handle
 
     def _rebuild(self) -> None:
-        owner: dict[str, str] = {}
-        for name, tenant in self.tenants.items():
-            for namespace in (tenant.get("spec") or {}).get("namespaces") or []:
-                owner.setdefault(namespace, name)
+        specs = {name: tenant.get("spec") or {} for name, tenant in self.tenants.items()}
+        labels = {
+            name: (ns.get("metadata") or {}).get("labels") or {} for name, ns in self.namespaces.items()
+        }
         pods_of: dict[Key, list[dict]] = {}
         for (namespace, _), pod in self.pods.items():
             service = ((pod.get("metadata") or {}).get("labels") or {}).get(POD_SERVICE_LABEL)
             if service:
                 pods_of.setdefault((namespace, service), []).append(pod)
         self.index = ModelIndex(
-            [service_view(obj, pods_of.get(key, []), owner.get) for key, obj in sorted(self.services.items())]
+            [
+                service_view(obj, pods_of.get(key, []), lambda ns: owner_of(ns, specs, labels))
+                for key, obj in sorted(self.services.items())
+            ]
         )
         self.keys = KeyRing.from_secrets(self.secrets.values())
         self.limits = {name: rate_limits_of(tenant) for name, tenant in self.tenants.items()}

@@ -1,7 +1,7 @@
 """The gateway's least-privilege RBAC, one source for the chart (charts/flotilla/files/rbac/gateway-*.yaml,
 written by `flotilla gateway chart`; a test fails when they drift) and the local cluster's e2e tests.
 
-Cluster-wide it only reads what routing needs (InferenceServices, their pods, Tenants) and patches
+Cluster-wide it only reads what routing needs (InferenceServices, their pods, Tenants, namespaces) and patches
 InferenceServices (the demand annotation that wakes a service at zero). Secrets it reads only in its own
 namespace, where the tenants' API keys are: never the tenants' own Secrets.
 """
@@ -24,6 +24,8 @@ def cluster_rules() -> list[dict]:
         {"apiGroups": [API_GROUP], "resources": [INFERENCE_SERVICES, TENANTS], "verbs": list(READ)},
         {"apiGroups": [API_GROUP], "resources": [INFERENCE_SERVICES], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": list(READ)},
+        # Namespaces' labels: a Tenant may claim a namespace by spec.namespaceSelector.
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": list(READ)},
     ]
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flotilla.contract import ENGINE_PORT
+from flotilla.ownership import Owner
 
 # The engine's KV block size when spec.engine.blockSize is unset: flotilla.engine.config.EngineConfig's
 # block_size default. Not imported: the gateway does not depend on the engine. The prefix hashes of a
@@ -36,13 +37,14 @@ class ServiceView:
     namespace: str
     name: str
     served_name: str  # what clients send as "model"
-    tenant: str | None  # the Tenant owning the namespace; None: shared by every tenant
+    tenant: str | None  # the Tenant owning the namespace; None: shared by every tenant (unless contested)
     min_replicas: int | None  # spec.autoscaling.minReplicas; None without autoscaling
     desired_replicas: int  # status.desiredReplicas
     gpus_per_replica: int
     endpoints: tuple[Endpoint, ...] = ()
     quota_refusal: str | None = None  # why quota gives the service no replica, if it does not
     block_size: int | None = None  # spec.engine.blockSize; None: the engine's default
+    contested: bool = False  # several Tenants claim the namespace: nobody may use the service
 
     @property
     def key(self) -> str:
@@ -55,20 +57,23 @@ class ServiceView:
 
 
 def service_view(
-    obj: dict[str, Any], pods: list[dict[str, Any]], tenant_of_namespace: Callable[[str], str | None]
+    obj: dict[str, Any], pods: list[dict[str, Any]], owner_of_namespace: Callable[[str], Owner]
 ) -> ServiceView:
-    """The view of an InferenceService `obj` whose pods (already selected by the caller) are `pods`."""
+    """The view of an InferenceService `obj` whose pods (already selected by the caller) are `pods`;
+    `owner_of_namespace` is flotilla.ownership's rule over the fleet's Tenants and namespaces."""
     meta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
     status = obj.get("status") or {}
     namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
     autoscaling = spec.get("autoscaling")
     desired = int(status.get("desiredReplicas") or 0)
+    owner = owner_of_namespace(namespace)
     return ServiceView(
         namespace=namespace,
         name=name,
         served_name=(spec.get("model") or {}).get("servedName") or name,
-        tenant=tenant_of_namespace(namespace),
+        tenant=owner.tenant,
+        contested=owner.contested,
         # minReplicas defaults to 1 in the CRD (flotilla.operator.api.v1alpha1.Autoscaling).
         min_replicas=int(autoscaling.get("minReplicas", 1)) if isinstance(autoscaling, dict) else None,
         desired_replicas=desired,
@@ -132,7 +137,10 @@ def scales_from_zero(service: ServiceView) -> bool:
 
 def may_use(tenant: str | None, service: ServiceView) -> bool:
     """A service in a tenant's namespace is that tenant's alone; one in a namespace no tenant owns is
-    shared by every tenant. A caller without a tenant (no API keys configured) sees only shared ones."""
+    shared by every tenant; one in a namespace several Tenants claim is nobody's until the claim is
+    resolved. A caller without a tenant (no API keys configured) sees only shared ones."""
+    if service.contested:
+        return False
     return service.tenant is None or service.tenant == tenant
 
 

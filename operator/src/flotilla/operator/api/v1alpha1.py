@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
+
+from flotilla.ownership import selector_problems
 
 GROUP = "flotilla.dev"
 VERSION = "v1alpha1"
@@ -233,8 +235,25 @@ class Subject(_Model):
     namespace: str | None = Field(default=None, description="ServiceAccount subjects only")
 
 
+class LabelSelectorRequirement(_Model):
+    key: str = Field(min_length=1)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _values_fit_the_operator(self) -> LabelSelectorRequirement:
+        # The rule itself is flotilla.ownership's, so the operator's refusal and the gateway agree.
+        problems = selector_problems({"matchExpressions": [self.to_wire()]})
+        if problems:
+            raise ValueError("; ".join(p.replace("[0]", f" (key {self.key})") for p in problems))
+        return self
+
+
 class LabelSelector(_Model):
+    """A Kubernetes LabelSelector; flotilla.ownership decides what it selects (an empty one: nothing)."""
+
     match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
 
 
 # spec.rateLimits: what the gateway lets the tenant's API keys send; the operator only stores them.

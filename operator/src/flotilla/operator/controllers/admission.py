@@ -1,37 +1,58 @@
 """The admission webhook's handlers (its server: webhook_server.py), loaded only with --webhook-port.
 
+Every operator replica answers reviews (the API server spreads them over the webhook Service's pods), and
+a standby's watch indexes are paused, so reviews read nothing from indexes: each reads the Tenants,
+namespaces and stored InferenceServices fresh from the API, and the tenant's quota reservations from a
+ConfigMap that it writes with optimistic concurrency (tenancy/reservations.py). Two reviews of one
+tenant, on any replicas, serialize on that write; the loser reads again and decides again.
+
 - InferenceServices (create, update, and the scale subresource) are judged by desired.admission: the
-  reconciler's own validation, then the Tenant's quota. Each check and its reservation happen under the
-  ledger's lock, so concurrent reviews cannot both pass into over-quota.
+  reconciler's own validation, then the Tenant's quota.
 - Tenants are refused when they claim a namespace another Tenant claims.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import time
 
 import kopf
 
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
-from flotilla.operator.controllers.indexes import ISVC, labels_by_namespace, tenant_specs
-from flotilla.operator.controllers.state import AdmissionState
+from flotilla.operator.clients.quota_ledger import QuotaLedger, World
+from flotilla.operator.controllers.indexes import ISVC
 from flotilla.operator.desired.admission import charged, review_service
 from flotilla.operator.metrics import API_CALLS, DENIALS, INVALID_TENANT, TENANT_CONFLICT
-from flotilla.operator.tenancy.quota import Held, Key
-from flotilla.operator.tenancy.rules import tenant_of, tenant_problems
+from flotilla.operator.tenancy.quota import Key
+from flotilla.operator.tenancy.reservations import (
+    RESERVATION_TTL_SECONDS,
+    Reservation,
+    Stored,
+    charges,
+    live,
+)
+from flotilla.operator.tenancy.rules import namespaces_owned, owner_of, tenant_problems
 
-# Tenants this webhook admitted are trusted this long while the watch catches up with them.
-RECENT_TENANT_SECONDS = 30.0
+log = logging.getLogger("flotilla.operator.admission")
+
+# A review that loses the reservation write this often to concurrent reviews of the same tenant gives up
+# with a retryable refusal (within the API server's webhook timeout) rather than guess.
+MAX_ATTEMPTS = 40
+LEDGER_BUSY = 429
+# Verdicts that change no charge reserve nothing.
+UNCHARGED = ("NotRaised", "Unchanged")
 
 
 @kopf.on.validate(*ISVC, id="quota", operations=["CREATE", "UPDATE"])
-def admit_service(body, old, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **kwargs) -> None:
+def admit_service(body, old, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **_) -> None:
     old_spec = (old or {}).get("spec") if old else None
-    _admit(memo.admission, namespace, name, body.get("spec"), old_spec, dryrun, kwargs)
+    uid = (body.get("metadata") or {}).get("uid") or ""
+    _admit(memo.admission, namespace, name, uid, body.get("spec"), old_spec, dryrun)
 
 
 @kopf.on.validate(*ISVC, id="quota-scale", subresource="scale", operations=["UPDATE"])
-def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **kwargs) -> None:
+def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **_) -> None:
     """`kubectl scale` changes spec.replicas through the scale subresource; it is charged the same way."""
     API_CALLS.labels(verb="get", resource="inferenceservices").inc()
     custom = memo.runtime.kube.custom
@@ -39,23 +60,20 @@ def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, 
     spec = dict(current.get("spec") or {})
     # Scale.spec.replicas is omitted when it is 0 (omitempty).
     new = {**spec, "replicas": (body.get("spec") or {}).get("replicas", 0)}
-    _admit(memo.admission, namespace, name, new, spec, dryrun, kwargs)
+    uid = (current.get("metadata") or {}).get("uid") or ""
+    _admit(memo.admission, namespace, name, uid, new, spec, dryrun)
 
 
 @kopf.on.validate(GROUP, VERSION, TENANT.plural, id="tenant", operations=["CREATE", "UPDATE"])
-def admit_tenant(body, name: str, dryrun: bool, memo: kopf.Memo, **kwargs) -> None:
-    state: AdmissionState = memo.admission
+def admit_tenant(body, name: str, memo: kopf.Memo, **_) -> None:
+    ledger: QuotaLedger = memo.admission
     try:
         spec = TenantSpec.model_validate(body.get("spec") or {})
     except ValueError as exc:
         DENIALS.labels(name, INVALID_TENANT).inc()
         raise kopf.AdmissionError(f"tenant {name}: {exc}", code=422) from exc
-    labels = labels_by_namespace(kwargs["namespace_labels"])
-    with state.tenants_lock:
-        others = _known_tenants(state, kwargs)
-        problems = tenant_problems(name, spec, others, labels)
-        if not problems and not dryrun:
-            state.recent_tenants[name] = (spec, time.monotonic() + RECENT_TENANT_SECONDS)
+    world = ledger.world(services=False)
+    problems = tenant_problems(name, spec, world.tenants, world.labels)
     if problems:
         DENIALS.labels(name, TENANT_CONFLICT).inc()
         raise kopf.AdmissionError("; ".join(problems), code=422)
@@ -65,56 +83,62 @@ def admit_tenant(body, name: str, dryrun: bool, memo: kopf.Memo, **kwargs) -> No
 
 
 def _admit(
-    state: AdmissionState,
+    ledger: QuotaLedger,
     namespace: str,
     name: str,
+    uid: str,
     new_raw: dict,
     old_raw: dict | None,
     dryrun: bool,
-    kwargs: dict,
 ) -> None:
-    tenants = _known_tenants(state, kwargs)
-    labels = labels_by_namespace(kwargs["namespace_labels"])
-    tenant = tenant_of(namespace, tenants, labels)
     key = (namespace, name)
-    with state.held.lock:
-        state.held.settle(_charged(kwargs["services"], tenants, labels))
+    for attempt in range(MAX_ATTEMPTS):
+        world = ledger.world()
+        claim = owner_of(namespace, world.tenants, world.labels)
+        tenant = claim.tenant
+        reservations, version = ledger.read(tenant) if tenant else ([], None)
+        now = time.time()
+        stored = _stored(world, tenant) if tenant else {}
+        reservations = live(reservations, stored, now)
         verdict, held = review_service(
             key=key,
             new_raw=new_raw or {},
             old_raw=old_raw,
             tenant=tenant,
-            tenant_spec=tenants.get(tenant) if tenant else None,
-            others=state.held.others(key, tenant or ""),
+            tenant_spec=world.tenants.get(tenant) if tenant else None,
+            others=[h for h in charges(stored, reservations) if h.key != key],
+            contest=claim.contest_message() if claim.contested else None,
         )
-        if verdict.allowed and not dryrun and held is not None:
-            state.held.reserve(held)
-    if not verdict.allowed:
-        DENIALS.labels(tenant or "", verdict.reason).inc()
-        raise kopf.AdmissionError(verdict.message, code=verdict.code)
+        if not verdict.allowed:
+            DENIALS.labels(tenant or "", verdict.reason).inc()
+            raise kopf.AdmissionError(verdict.message, code=verdict.code)
+        if dryrun or held is None or tenant is None or verdict.reason in UNCHARGED:
+            return
+        mine = Reservation(held, uid, now + RESERVATION_TTL_SECONDS)
+        updated = [r for r in reservations if r.key != key] + [mine]
+        if ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version):
+            return
+        # Another review of this tenant wrote first: decide again on what it reserved. A little jitter
+        # keeps a burst of reviews from colliding round after round.
+        time.sleep(random.uniform(0, 0.02 * (attempt + 1)))
+    DENIALS.labels("", "LedgerBusy").inc()
+    raise kopf.AdmissionError(
+        f"InferenceService {namespace}/{name}: {MAX_ATTEMPTS} concurrent reviews of the same tenant's quota "
+        "won the reservation before this one; nothing was admitted or charged, retry the request",
+        code=LEDGER_BUSY,
+    )
 
 
-def _charged(services: kopf.Index, tenants: dict[str, TenantSpec], labels: dict) -> dict[Key, Held]:
-    """What every indexed InferenceService is charged."""
+def _stored(world: World, tenant: str) -> dict[Key, Stored]:
+    """The tenant's stored InferenceServices, with what each is charged."""
     out = {}
-    for key, store in services.items():
-        for obj in store:
-            held = charged(key, tenant_of(key[0], tenants, labels) or "", obj.get("spec") or {})
-            if held is not None:
-                out[key] = held
+    owned = set(namespaces_owned(tenant, world.tenants, world.labels))
+    for key, obj in world.services.items():
+        if key[0] not in owned:
+            continue
+        meta = obj.get("metadata") or {}
+        out[key] = Stored(meta.get("uid") or "", charged(key, tenant, obj.get("spec") or {}))
     return out
-
-
-def _known_tenants(state: AdmissionState, kwargs: dict) -> dict[str, TenantSpec]:
-    """The tenants index, plus Tenants this webhook admitted moments ago that the watch has not delivered
-    yet (newest first): `kubectl apply` of a Tenant and its first service together must not race."""
-    with state.tenants_lock:
-        now = time.monotonic()
-        for name, (_, expiry) in list(state.recent_tenants.items()):
-            if expiry <= now:
-                del state.recent_tenants[name]
-        recent = {name: spec for name, (spec, _) in state.recent_tenants.items()}
-    return {**tenant_specs(kwargs["tenants"]), **recent}
 
 
 # The suffix of each webhook's name in the ValidatingWebhookConfiguration (`quota.flotilla.dev`, ...).

@@ -43,7 +43,7 @@ from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired.status import pod_view
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.tenancy.quota import Key, QuotaDecision, decide, used_gpus
-from flotilla.operator.tenancy.rules import tenant_of
+from flotilla.operator.tenancy.rules import owner_of
 
 log = logging.getLogger("flotilla.operator.autoscaling.autoscaler")
 
@@ -65,18 +65,20 @@ def _quota(
     resources = spec.get("resources") or {}
     gpu_type, gpus = resources.get("gpuType"), resources.get("gpus", 1)
     specs = tenant_specs(indexes["tenants"])
-    tenant = tenant_of(key[0], specs, labels_by_namespace(indexes["namespace_labels"]))
+    claim = owner_of(key[0], specs, labels_by_namespace(indexes["namespace_labels"]))
+    tenant = claim.tenant
     others = rt.held.others(key)
-    if tenant is None:
+    if tenant is None and not claim.contested:
         return None
     return decide(
+        contest=claim.contest_message() if claim.contested else None,
         tenant=tenant,
-        tenant_spec=specs[tenant],
+        tenant_spec=specs.get(tenant) if tenant else None,
         gpu_type=gpu_type,
         gpus_per_replica=gpus,
         requested=wanted,
         current=current,
-        used_by_others=used_gpus(others, tenant, gpu_type),
+        used_by_others=used_gpus(others, tenant or "", gpu_type),
     )
 
 

@@ -24,7 +24,7 @@ from flotilla.operator.api.v1alpha1 import (
     TokenCount,
 )
 from flotilla.operator.clients.token_scrape import read_token_counters
-from flotilla.operator.controllers.indexes import labels_by_namespace
+from flotilla.operator.controllers.indexes import labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import MeteringState, Runtime
 from flotilla.operator.controllers.tenant_access import sync_objects
 from flotilla.operator.desired.status import merge_transition_times
@@ -41,7 +41,8 @@ from flotilla.operator.tenancy.metering import (
     usage_views,
 )
 from flotilla.operator.tenancy.metering_metrics import TENANTS
-from flotilla.operator.tenancy.rules import namespaces_of
+from flotilla.operator.tenancy.rules import contested, namespaces_owned
+from flotilla.ownership import Owner
 
 log = logging.getLogger("flotilla.operator.tenancy.rules")
 
@@ -125,8 +126,12 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     spec = TenantSpec.model_validate(obj.get("spec") or {})
     status = TenantStatus.model_validate(obj.get("status") or {})
     labels = labels_by_namespace(kwargs["namespace_labels"])
-    sync_objects(rt.kube, state.applied, name, obj["metadata"]["uid"], spec, labels)
-    mine = set(namespaces_of(spec, labels))
+    # The Tenant as just read, over the index's others: flotilla.ownership decides what it owns.
+    tenants = {**tenant_specs(kwargs["tenants"]), name: spec}
+    owned = namespaces_owned(name, tenants, labels)
+    sync_objects(rt.kube, state.applied, name, obj["metadata"]["uid"], spec, owned, labels)
+    mine = set(owned)
+    disputed = [o for o in contested(tenants, labels) if name in o.claimants]
 
     now = time.time()
     pods = [p for ns in mine for p in kwargs["gpu_pods"].get(ns, [])]
@@ -163,7 +168,7 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
         ledger=ledger,
         last_metered_time=stamp,
         conditions=merge_transition_times(
-            _conditions(name, spec, allocated),
+            _conditions(name, spec, allocated, disputed),
             [c.to_wire() for c in status.conditions],
             stamp[:19] + "Z",
             obj["metadata"].get("generation", 0),
@@ -185,7 +190,9 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     TENANTS.update(name, new_status, spec)
 
 
-def _conditions(name: str, spec: TenantSpec, allocated: dict[str, int]) -> list[Condition]:
+def _conditions(
+    name: str, spec: TenantSpec, allocated: dict[str, int], disputed: list[Owner]
+) -> list[Condition]:
     over = {t: n for t, n in sorted(allocated.items()) if n > spec.gpu_quota.get(t, 0)}
     if over:
         detail = "; ".join(f"{n} {t} GPUs held, quota {spec.gpu_quota.get(t, 0)}" for t, n in over.items())
@@ -200,7 +207,21 @@ def _conditions(name: str, spec: TenantSpec, allocated: dict[str, int]) -> list[
             type="QuotaLimited", status="False", reason="WithinQuota", message=f"tenant {name}: within quota"
         )
     metered = Condition(type="Metered", status="True", reason="Metered", message="GPU time metered")
-    return [metered, limited]
+    if disputed:
+        claim = Condition(
+            type="NamespacesContested",
+            status="True",
+            reason="ClaimedByAnotherTenant",
+            message="; ".join(o.contest_message() for o in disputed)[:1000],
+        )
+    else:
+        claim = Condition(
+            type="NamespacesContested",
+            status="False",
+            reason="SoleOwner",
+            message=f"tenant {name}: no other Tenant claims its namespaces",
+        )
+    return [metered, limited, claim]
 
 
 def _seed(name: str, kwargs: dict) -> None:

@@ -3,6 +3,8 @@ forget it when it is deleted, and retry the services its freed quota may let thr
 
 from __future__ import annotations
 
+import logging
+
 import kopf
 
 from flotilla.operator.controllers import indexes
@@ -11,6 +13,8 @@ from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.controllers.sync import retry_services, sync
 from flotilla.operator.desired.status import QUOTA_ADMITTED
 from flotilla.operator.metrics import SERVICES
+
+log = logging.getLogger("flotilla.operator")
 
 
 @kopf.on.resume(*ISVC)
@@ -39,6 +43,13 @@ def service_event(event: dict, namespace: str, name: str, memo: kopf.Memo, **kwa
         rt.written_status.pop(key, None)
         rt.refused.pop(key, None)
     SERVICES.forget(namespace, name)
+    # Its quota reservation, if the webhook's ledger still holds one, frees its GPUs for the next create
+    # now rather than when the reservation expires.
+    uid = (kwargs.get("body") or {}).get("metadata", {}).get("uid") or ""
+    try:
+        memo.admission.release(key, uid)
+    except Exception as exc:  # the reservation expires by itself; say why it lingers
+        log.warning("could not release the quota reservation of %s/%s: %s", namespace, name, exc)
     if freed and freed.gpus:
         retry_services(rt, indexes.of(kwargs), _held_back_by_quota, "quota-freed")
 

@@ -1,6 +1,6 @@
 """What the handlers share across calls, built once at start-up (`new_memo`, called by runner.py) and
 handed to every handler by kopf as `memo`: `memo.runtime` is a Runtime, `memo.metering` a
-MeteringState, `memo.admission` an AdmissionState. kopf gives each object a shallow copy of the memo, so
+MeteringState, `memo.admission` the webhook's QuotaLedger (its truth is in the API, not here). kopf gives each object a shallow copy of the memo, so
 these objects are shared by all; handlers change them, never rebind them.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import kopf
 
-from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.clients.kube import Kube
+from flotilla.operator.clients.quota_ledger import QuotaLedger
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.tenancy.metering import Span
 from flotilla.operator.tenancy.quota import Key, Ledger
@@ -51,15 +51,9 @@ class MeteringState:
     applied: dict[str, str] = field(default_factory=dict)  # tenant -> digest of its RBAC/ResourceQuota
 
 
-@dataclass
-class AdmissionState:
-    """The webhook's: what it admitted that the watches may not show yet."""
-
-    held: Ledger = field(default_factory=Ledger)  # what each service is charged, reservations included
-    # Tenants admitted moments ago that the index may not show yet: name -> (spec, expiry).
-    recent_tenants: dict[str, tuple[TenantSpec, float]] = field(default_factory=dict)
-    tenants_lock: threading.RLock = field(default_factory=threading.RLock)
-
-
 def new_memo(runtime: Runtime) -> kopf.Memo:
-    return kopf.Memo(runtime=runtime, metering=MeteringState(), admission=AdmissionState())
+    return kopf.Memo(
+        runtime=runtime,
+        metering=MeteringState(),
+        admission=QuotaLedger(runtime.kube, runtime.tenancy.namespace),
+    )

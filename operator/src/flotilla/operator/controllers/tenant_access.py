@@ -15,7 +15,6 @@ from flotilla.operator.clients.kube import Kube
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.naming import FIELD_MANAGER, TENANT_LABEL
 from flotilla.operator.tenancy import rbac as tenant_rbac
-from flotilla.operator.tenancy.rules import namespaces_of
 
 log = logging.getLogger("flotilla.operator.tenancy.rules")
 
@@ -23,11 +22,12 @@ APPLY = "application/apply-patch+yaml"
 
 
 def sync_objects(
-    kube: Kube, applied: dict[str, str], name: str, uid: str, spec: TenantSpec, labels: dict
+    kube: Kube, applied: dict[str, str], name: str, uid: str, spec: TenantSpec, owned: list[str], labels: dict
 ) -> None:
-    """Apply the Tenant's RBAC and ResourceQuota if they changed since `applied` (tenant -> digest) says
-    they were last applied, and remove them from namespaces it no longer claims."""
-    existing = [ns for ns in namespaces_of(spec, labels) if ns in labels]
+    """Apply the Tenant's RBAC and ResourceQuota in the namespaces it owns (flotilla.ownership: claimed by
+    it alone) that exist, if they changed since `applied` (tenant -> digest) says they were last applied,
+    and remove them from namespaces it no longer owns."""
+    existing = [ns for ns in owned if ns in labels]
     objects = tenant_rbac.desired_objects(name, uid, spec, existing)
     digest = hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()
     if applied.get(name) == digest:

@@ -35,6 +35,7 @@ def review_service(
     tenant: str | None,
     tenant_spec: TenantSpec | None,
     others: Iterable[Held],
+    contest: str | None = None,
 ) -> tuple[Verdict, Held | None]:
     """The verdict on a create (`old_raw` None) or an update of the spec, and what the service is charged
     once admitted (None when nothing is)."""
@@ -54,6 +55,7 @@ def review_service(
         new=new_charge,
         old=charge(old) if old is not None else None,
         others=others,
+        contest=contest,
     )
     held = Held(key, tenant, new_charge.gpu_type, new_charge.gpus) if tenant else None
     return verdict, held

@@ -32,7 +32,8 @@ from flotilla.operator.desired.workload import (
 )
 from flotilla.operator.naming import NO_TENANT, selector_string
 from flotilla.operator.tenancy.quota import Held, QuotaDecision, decide, used_gpus
-from flotilla.operator.tenancy.rules import scheduling_weights, tenant_of
+from flotilla.operator.tenancy.rules import owner_of as owner_of_namespace
+from flotilla.operator.tenancy.rules import scheduling_weights
 
 
 @dataclass
@@ -89,8 +90,10 @@ def plan(obj: dict, world: World) -> Plan:
     if spec is not None and not problems:
         requested = target_replicas(spec)
         gpus = spec.resources.gpus
-        tenant = tenant_of(owner.namespace, world.tenants, world.namespace_labels)
+        claim = owner_of_namespace(owner.namespace, world.tenants, world.namespace_labels)
+        tenant = claim.tenant
         quota = decide(
+            contest=claim.contest_message() if claim.contested else None,
             tenant=tenant,
             tenant_spec=world.tenants.get(tenant) if tenant else None,
             gpu_type=spec.resources.gpu_type,

@@ -57,14 +57,23 @@ def review(
     new: Charge,
     old: Charge | None,
     others: Iterable[Held],
+    contest: str | None = None,
 ) -> Verdict:
     """Whether the tenant may hold `new` for this service. `old` is the stored object's charge (None on
-    create); `others` are what the tenant's other services hold (other tenants' entries are ignored)."""
+    create); `others` are what the tenant's other services hold (other tenants' entries are ignored);
+    `contest` says why no tenant owns the namespace when several claim it (flotilla.ownership)."""
     namespace, name = key
     if old is not None and old.gpu_type == new.gpu_type and new.gpus <= old.gpus:
         # Also the operator's own writes (annotations, finalizers) and everything in a namespace that
         # lost its tenant or its quota: what is already admitted stays admitted.
         return Verdict(True, "the change does not raise the service's GPU charge", "NotRaised")
+    if contest is not None and new.gpus > 0:
+        return Verdict(
+            False,
+            f"InferenceService {namespace}/{name} asks for {new.gpus} GPUs, but {contest}; no quota "
+            "admits GPUs there",
+            "NamespaceContested",
+        )
     if tenant is None or tenant_spec is None:
         return Verdict(
             False,
@@ -74,12 +83,13 @@ def review(
             "NoTenant",
         )
     others = [h for h in others if h.tenant == tenant]
-    if old is None and tenant_spec.max_services is not None and len(others) >= tenant_spec.max_services:
+    services = len({h.key for h in others})  # a service may be charged twice: stored, and reserved
+    if old is None and tenant_spec.max_services is not None and services >= tenant_spec.max_services:
         return Verdict(
             False,
             f"tenant {tenant}: InferenceService {namespace}/{name} would be service number "
-            f"{len(others) + 1}, but maxServices is {tenant_spec.max_services} and "
-            f"{len(others)} are in use",
+            f"{services + 1}, but maxServices is {tenant_spec.max_services} and "
+            f"{services} are in use",
             "MaxServicesExceeded",
         )
     if new.gpus == 0:

@@ -2,7 +2,8 @@
 rule for how many replicas a quota admits. Pure, apart from the ledger's lock.
 
 The one place quota is counted. The reconciler (`decide`) and the admission webhook (admission.review)
-both ask it; they differ only in what a service is charged (see admission.py).
+both ask it; they differ only in what a service is charged (see admission.py) and where their ledger
+lives (the reconciler's in memory, the webhook's in the API: reservations.py).
 A service is charged replicas x gpus of its GPU type. Quota never removes running pods: when a quota
 drops below use, the service keeps what it has and only scale-up is refused.
 """
@@ -10,8 +11,7 @@ drops below use, the service keeps what it has and only scale-up is refused.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flotilla.operator.api.v1alpha1 import TenantSpec
@@ -57,21 +57,14 @@ class Headroom:
 
 
 class Ledger:
-    """What each service holds, one entry per service, under one lock (`with ledger.lock:` makes a
-    check-then-hold atomic; the methods take it themselves too).
+    """The reconciler's grants: what each service's Deployment holds, one entry per service, under one lock
+    (`with ledger.lock:` makes a check-then-hold atomic; the methods take it themselves too). Only the
+    active operator replica reconciles, so this lives in its memory; the admission webhook, which every
+    replica answers, keeps its ledger in the API instead (reservations.py)."""
 
-    Entries are firm (`hold` until `release`, or the whole set replaced by `settle`) or reservations
-    (`reserve`): an admission whose object the watch has not delivered yet. A reservation counts, over a
-    firm entry for the same service, until `settle` sees that service hold the same, or `ttl` seconds pass
-    (then the object was never stored, or it was and the index has it). Until then it errs towards
-    refusing, never towards over-quota."""
-
-    def __init__(self, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self) -> None:
         self.lock = threading.RLock()
         self._firm: dict[Key, Held] = {}
-        self._reserved: dict[Key, tuple[Held, float]] = {}  # key -> (held, expiry)
-        self._ttl = ttl
-        self._clock = clock
 
     def hold(self, held: Held) -> None:
         with self.lock:
@@ -85,28 +78,13 @@ class Ledger:
 
     def release(self, key: Key) -> Held | None:
         with self.lock:
-            self._reserved.pop(key, None)
             return self._firm.pop(key, None)
 
-    def reserve(self, held: Held) -> None:
-        with self.lock:
-            self._reserved[held.key] = (held, self._clock() + self._ttl)
-
-    def settle(self, firm: Mapping[Key, Held]) -> None:
-        """The firm entries become `firm` (what the index shows); reservations it confirms, or that
-        expired, go."""
-        with self.lock:
-            now = self._clock()
-            self._firm = dict(firm)
-            for key, (held, expiry) in list(self._reserved.items()):
-                if expiry <= now or firm.get(key) == held:
-                    del self._reserved[key]
-
     def entries(self, tenant: str | None = None) -> list[Held]:
-        """Every service's entry (of `tenant`, if given); a reservation stands in for a firm entry."""
+        """Every service's entry (of `tenant`, if given)."""
         with self.lock:
-            merged = {**self._firm, **{k: h for k, (h, _) in self._reserved.items()}}
-        return [h for h in merged.values() if tenant is None or h.tenant == tenant]
+            held = list(self._firm.values())
+        return [h for h in held if tenant is None or h.tenant == tenant]
 
     def others(self, key: Key, tenant: str | None = None) -> list[Held]:
         """What services other than `key` hold (of `tenant`, if given)."""
@@ -135,9 +113,13 @@ def decide(
     requested: int,
     current: int,
     used_by_others: int,
+    contest: str | None = None,
 ) -> QuotaDecision:
     """Replicas to run. `current` is how many the service runs now; `used_by_others` is what the tenant's
-    other services hold of this GPU type."""
+    other services hold of this GPU type; `contest` says why no tenant owns the namespace when several
+    claim it: then no quota grants GPUs there, and what already runs is kept."""
+    if contest is not None and gpus_per_replica > 0:
+        return QuotaDecision(min(requested, current), False, "NamespaceContested", contest)
     if tenant is None or tenant_spec is None:
         return QuotaDecision(requested, True, "NoTenant", "no Tenant claims this namespace; no quota applies")
     if gpus_per_replica == 0:

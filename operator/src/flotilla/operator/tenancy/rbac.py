@@ -152,5 +152,9 @@ BIND_RULE = {
     "resourceNames": [MEMBER_ROLE],
     "verbs": ["bind"],
 }
-# In the operator's own namespace only: the webhook's CA and serving certificate.
-SECRET_RULES = [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "update"]}]
+# In the operator's own namespace only: the webhook's CA and serving certificate, and the admission
+# webhook's quota reservations (one ConfigMap per Tenant, written with optimistic concurrency).
+SECRET_RULES = [
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "update"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "create", "update"]},
+]

@@ -1,41 +1,48 @@
-"""Which namespaces a Tenant claims, and what is wrong with a Tenant. Pure.
-
-A Tenant claims namespaces by name (spec.namespaces) and by labels (spec.namespaceSelector). A
-namespace claimed by two Tenants has no single quota, so such a Tenant is refused at admission.
+"""The operator's side of tenancy rules: the Tenant models handed to flotilla.ownership (the one rule for
+which Tenant owns a namespace, shared with the gateway), and what else is wrong with a Tenant. Pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from flotilla import ownership
 from flotilla.operator.api.v1alpha1 import TenantSpec
+from flotilla.ownership import NamespaceLabels, Owner
 
-NamespaceLabels = Mapping[str, Mapping[str, str]]  # namespace -> its labels
+
+def _stored(tenants: Mapping[str, TenantSpec]) -> dict[str, dict]:
+    return {name: spec.to_wire() for name, spec in tenants.items()}
 
 
-def claims(spec: TenantSpec, namespace: str, labels: Mapping[str, str] | None) -> bool:
-    if namespace in spec.namespaces:
-        return True
-    selector = spec.namespace_selector
-    if selector is None or not selector.match_labels or labels is None:
-        return False
-    return all(labels.get(k) == v for k, v in selector.match_labels.items())
+def owner_of(namespace: str, tenants: Mapping[str, TenantSpec], namespaces: NamespaceLabels) -> Owner:
+    return ownership.owner_of(namespace, _stored(tenants), namespaces)
 
 
 def tenant_of(
     namespace: str, tenants: Mapping[str, TenantSpec], namespaces: NamespaceLabels | None = None
 ) -> str | None:
-    """The Tenant that claims the namespace; the first by name if (wrongly) several do."""
-    labels = (namespaces or {}).get(namespace)
-    owners = sorted(name for name, spec in tenants.items() if claims(spec, namespace, labels))
-    return owners[0] if owners else None
+    """The Tenant that owns the namespace; None when no Tenant, or more than one, claims it."""
+    return owner_of(namespace, tenants, namespaces or {}).tenant
+
+
+def claims(spec: TenantSpec, namespace: str, labels: Mapping[str, str] | None) -> bool:
+    return ownership.claims(spec.to_wire(), namespace, labels)
 
 
 def namespaces_of(spec: TenantSpec, namespaces: NamespaceLabels) -> list[str]:
     """Every namespace the Tenant claims: those listed (existing or not) and the existing ones selected."""
-    found = set(spec.namespaces)
-    found.update(ns for ns, labels in namespaces.items() if claims(spec, ns, labels))
-    return sorted(found)
+    return ownership.namespaces_claimed(spec.to_wire(), namespaces)
+
+
+def namespaces_owned(name: str, tenants: Mapping[str, TenantSpec], namespaces: NamespaceLabels) -> list[str]:
+    """The namespaces the Tenant claims that no other Tenant claims too (where it holds RBAC and quota)."""
+    return ownership.namespaces_owned(name, _stored(tenants), namespaces)
+
+
+def contested(tenants: Mapping[str, TenantSpec], namespaces: NamespaceLabels) -> list[Owner]:
+    """Every namespace two or more Tenants claim (none of them owns it)."""
+    return ownership.contested(_stored(tenants), namespaces)
 
 
 def tenant_problems(
@@ -44,17 +51,11 @@ def tenant_problems(
     """Why this Tenant cannot be accepted next to the others (an empty list: it can).
 
     Negative quotas and prices never get here: the CRD schema (minimum 0) refuses them first."""
-    problems = []
-    mine = set(namespaces_of(spec, namespaces))
-    for other, other_spec in sorted(others.items()):
-        if other == name:
-            continue
-        shared = sorted(mine & set(namespaces_of(other_spec, namespaces)))
-        if shared:
-            problems.append(
-                f"tenant {name}: namespace {', '.join(shared)} already belongs to tenant {other}; "
-                "a namespace can belong to one tenant only"
-            )
+    problems = [
+        f"tenant {name}: namespace {ns} already belongs to tenant {other}; a namespace can belong to one "
+        "tenant only"
+        for ns, other in ownership.conflicts(name, spec.to_wire(), _stored(others), namespaces)
+    ]
     unpriced = sorted(set(spec.price_per_gpu_hour) - set(spec.gpu_quota))
     if unpriced:
         problems.append(

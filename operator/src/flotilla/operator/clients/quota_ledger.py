@@ -1,0 +1,134 @@
+"""The admission webhook's reads and writes: a fresh picture of the tenancy world, and each Tenant's quota
+reservations, a ConfigMap written with optimistic concurrency (tenancy/reservations.py says why).
+
+Every read here goes to the API server, never to a watch index: the standby replicas of the operator
+answer reviews too, and their indexes are paused. Lists without a resourceVersion are consistent reads,
+so a review sees every object stored before it started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import cast
+
+from kubernetes.client.exceptions import ApiException
+
+from flotilla.operator.api.v1alpha1 import API_VERSION, GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
+from flotilla.operator.clients.kube import Kube
+from flotilla.operator.metrics import API_CALLS
+from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
+from flotilla.operator.tenancy.reservations import Reservation, data_key, parse, serialize
+
+RESERVATIONS_PREFIX = "flotilla-quota-"
+
+
+@dataclass
+class World:
+    """Tenants, namespaces' labels and stored InferenceServices, as the API has them now."""
+
+    tenants: dict[str, TenantSpec] = field(default_factory=dict)
+    tenant_uids: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    services: dict[tuple[str, str], dict] = field(default_factory=dict)  # key -> the stored object
+
+
+def reservations_name(tenant: str) -> str:
+    name = RESERVATIONS_PREFIX + tenant
+    if len(name) <= 253:
+        return name
+    return RESERVATIONS_PREFIX + hashlib.sha256(tenant.encode()).hexdigest()[:32]
+
+
+class QuotaLedger:
+    def __init__(self, kube: Kube, namespace: str):
+        self.kube, self.namespace = kube, namespace
+
+    def world(self, *, services: bool = True) -> World:
+        custom, core = self.kube.custom, self.kube.core
+        world = World()
+        API_CALLS.labels(verb="list", resource="tenants").inc()
+        listed = cast(dict, custom.list_cluster_custom_object(GROUP, VERSION, TENANT.plural))
+        for obj in listed.get("items", []):
+            name = obj["metadata"]["name"]
+            try:
+                world.tenants[name] = TenantSpec.model_validate(obj.get("spec") or {})
+            except ValueError:
+                continue  # a Tenant we cannot read claims nothing (the index readers do the same)
+            world.tenant_uids[name] = obj["metadata"].get("uid", "")
+        API_CALLS.labels(verb="list", resource="namespaces").inc()
+        for ns in core.list_namespace().items:
+            world.labels[ns.metadata.name] = dict(ns.metadata.labels or {})
+        if services:
+            API_CALLS.labels(verb="list", resource="inferenceservices").inc()
+            listed = cast(dict, custom.list_cluster_custom_object(GROUP, VERSION, INFERENCE_SERVICE.plural))
+            for obj in listed.get("items", []):
+                meta = obj["metadata"]
+                world.services[(meta["namespace"], meta["name"])] = obj
+        return world
+
+    def read(self, tenant: str) -> tuple[list[Reservation], str | None]:
+        """The tenant's reservations and the ConfigMap's resourceVersion (None: it does not exist yet)."""
+        API_CALLS.labels(verb="get", resource="configmaps").inc()
+        try:
+            cm = self.kube.core.read_namespaced_config_map(reservations_name(tenant), self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return [], None
+            raise
+        return parse(tenant, cm.data), cm.metadata.resource_version
+
+    def write(
+        self, tenant: str, tenant_uid: str, reservations: list[Reservation], resource_version: str | None
+    ) -> bool:
+        """Replace the tenant's reservations if nobody wrote them since `resource_version` was read; False
+        when somebody did (the caller reads again and decides again)."""
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": reservations_name(tenant),
+                "namespace": self.namespace,
+                "labels": {TENANT_LABEL: tenant, MANAGED_BY_LABEL: MANAGED_BY},
+                # Collected with its Tenant.
+                "ownerReferences": [
+                    {"apiVersion": API_VERSION, "kind": TENANT.kind, "name": tenant, "uid": tenant_uid}
+                ]
+                if tenant_uid
+                else [],
+            },
+            "data": serialize(reservations),
+        }
+        try:
+            if resource_version is None:
+                API_CALLS.labels(verb="create", resource="configmaps").inc()
+                self.kube.core.create_namespaced_config_map(self.namespace, body)
+            else:
+                body["metadata"]["resourceVersion"] = resource_version
+                API_CALLS.labels(verb="update", resource="configmaps").inc()
+                self.kube.core.replace_namespaced_config_map(reservations_name(tenant), self.namespace, body)
+        except ApiException as exc:
+            if exc.status == 409:  # Conflict (stale resourceVersion) or AlreadyExists (a concurrent create)
+                return False
+            raise
+        return True
+
+    def release(self, key: tuple[str, str], uid: str, attempts: int = 5) -> None:
+        """Drops the reservation a deleted InferenceService (of this uid) still holds, in whichever
+        Tenant's ConfigMap it is (its namespace may have changed owner since)."""
+        API_CALLS.labels(verb="list", resource="configmaps").inc()
+        found = self.kube.core.list_namespaced_config_map(
+            self.namespace, label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY},{TENANT_LABEL}"
+        ).items
+        for cm in found:
+            tenant = (cm.metadata.labels or {}).get(TENANT_LABEL, "")
+            if data_key(key) not in (cm.data or {}):
+                continue
+            for _ in range(attempts):
+                reservations, version = self.read(tenant)
+                kept = [r for r in reservations if not (r.key == key and (not uid or r.uid in ("", uid)))]
+                if len(kept) == len(reservations):
+                    break
+                owner = (cm.metadata.owner_references or [None])[0]
+                if self.write(tenant, owner.uid if owner else "", kept, version):
+                    break
