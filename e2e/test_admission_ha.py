@@ -217,3 +217,69 @@ def test_the_active_replica_killed_in_a_burst(chart, cluster: ClusterHandle):
     assert sum(_stored_gpus(cluster, ns).values()) == QUOTA
     refusal = cluster.kubectl("create", "-n", ns, "-f", "-", input=_isvc("one-more", 1), check=False)
     assert _outcome(refusal) == "refused", refusal.stderr
+
+
+def _raw_gpu_pod(name: str) -> str:
+    """A GPU pod Flotilla did not make (an admin's), bound to a node that runs nothing: it counts against
+    the namespace's ResourceQuota as any pending pod does, without starting a process."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": "no-such-node",
+            "containers": [
+                {"name": "c", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+            ],
+        },
+    }
+    return yaml.safe_dump(pod)
+
+
+def test_the_backstop_holds_the_total_across_namespaces_and_creators(chart, cluster: ClusterHandle):
+    """A Tenant with quota 2 over two namespaces: the admin creates two raw GPU pods in each at once.
+    The API server itself must refuse past 2 in total (it once held 4)."""
+    chart(1)
+    tenant = f"ha-backstop-{RUN}"
+    namespaces = [f"ha-bs-a-{RUN}", f"ha-bs-b-{RUN}"]
+    for ns in namespaces:
+        cluster.kubectl("create", "namespace", ns)
+    spec = {"namespaces": namespaces, "gpuQuota": {"h100": 2}}
+    body = {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "Tenant",
+        "metadata": {"name": tenant},
+        "spec": spec,
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+
+    def limits() -> dict[str, int]:
+        found = {}
+        for ns in namespaces:
+            quotas = cluster.get_json("resourcequota", "-n", ns, "-l", f"flotilla.dev/tenant={tenant}")[
+                "items"
+            ]
+            for quota in quotas:
+                found[ns] = int(quota["spec"]["hard"]["requests.nvidia.com/gpu"])
+        return found
+
+    wait_for(lambda: len(limits()) == 2, 120, "the backstop's ResourceQuota in both namespaces")
+    assert sum(limits().values()) == 2, limits()
+
+    creates = [
+        lambda ns=ns, i=i: cluster.kubectl(
+            "create", "-n", ns, "-f", "-", input=_raw_gpu_pod(f"raw-{i}"), check=False
+        )
+        for ns in namespaces
+        for i in range(2)
+    ]
+    with ThreadPoolExecutor(len(creates)) as pool:
+        results = list(pool.map(lambda create: create(), creates))
+    refused = [r.stderr for r in results if r.returncode != 0]
+    held = sum(len(cluster.get_json("pods", "-n", ns)["items"]) for ns in namespaces)
+    REPORT.append(f"  backstop: 4 raw GPU pods over 2 namespaces against a quota of 2: stored {held}")
+    assert held <= 2, (held, refused)
+    assert all("exceeded quota" in e for e in refused), refused
+    for ns in namespaces:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    cluster.kubectl("delete", "tenant", tenant, "--wait=false", check=False)

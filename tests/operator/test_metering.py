@@ -40,6 +40,16 @@ def test_span_from_binding_to_termination_or_removal():
     assert span_of(unbound) is None
 
 
+def test_a_raw_gpu_pod_is_charged_under_its_nodes_gpu_type():
+    raw = pod()
+    raw["spec"] = {"nodeName": "gpu-node-2", "containers": raw["spec"]["containers"]}  # no nodeSelector
+    raw["metadata"]["labels"] = {}
+    span = span_of(raw, node_gpu_types={"gpu-node-1": "h100", "gpu-node-2": "a100"})
+    assert span is not None and span.gpu_type == "a100" and span.key == "ns/-/a100"
+    # A node whose type the operator does not know yet: the unknown type, not a guess.
+    assert span_of(raw, node_gpu_types={}).gpu_type == "-"
+
+
 def test_rounds_count_each_second_once_whatever_the_split():
     span = span_of(pod(gpus=2))
     start = span.start

@@ -115,3 +115,20 @@ def test_a_mounted_webhook_tls_folder_without_its_files_stops_naming_them(tmp_pa
     assert webhook_tls.mounted_files(tmp_path) == (None, tmp_path / "tls.crt", tmp_path / "tls.key")
     (tmp_path / "ca.crt").write_text("ca")
     assert webhook_tls.mounted_files(tmp_path)[0] == tmp_path / "ca.crt"
+
+
+def test_the_backstop_partitions_the_quota_over_the_namespaces():
+    from flotilla.operator.tenancy.backstop import namespace_limits
+
+    # Nothing held: the quota split evenly, the remainder to the first by name; never more than the quota.
+    assert namespace_limits(2, ["b", "a"], {}, {}) == {"a": 1, "b": 1}
+    assert namespace_limits(3, ["a", "b"], {}, {}) == {"a": 2, "b": 1}
+    # What a namespace holds (grants, or pods someone else made) is its own; the free rest is split.
+    assert namespace_limits(4, ["a", "b"], {"a": 2}, {"b": 1}) == {"a": 3, "b": 1}
+    assert namespace_limits(4, ["a", "b"], {"a": 2}, {"a": 3}) == {"a": 4, "b": 0}
+    # More held than the quota (made before the backstop, or a lowered quota): nothing new anywhere.
+    assert namespace_limits(2, ["a", "b"], {"a": 2}, {"b": 2}) == {"a": 2, "b": 2}
+    for quota in range(6):
+        for held_a in range(4):
+            limits = namespace_limits(quota, ["a", "b", "c"], {"a": held_a}, {})
+            assert sum(limits.values()) == max(quota, held_a) and limits["a"] >= held_a

@@ -15,7 +15,7 @@ log = logging.getLogger("flotilla.operator")
 
 ISVC = (GROUP, VERSION, INFERENCE_SERVICE.plural)
 MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
-NAMES = ("gpu_nodes", "tenants", "namespace_labels", "services", "deployments", "pods")
+NAMES = ("gpu_nodes", "tenants", "namespace_labels", "services", "deployments", "pods", "gpu_pods")
 
 
 @kopf.index("", "v1", "nodes")
@@ -61,7 +61,7 @@ def pods(namespace: str, labels: dict, body: kopf.Body, **_) -> dict:
 
 def of(kwargs: dict) -> dict:
     """The indexes among a handler's keyword arguments (kopf passes each by its function's name)."""
-    return {name: kwargs[name] for name in NAMES}
+    return {name: kwargs.get(name, {}) for name in NAMES}
 
 
 def plain(value):

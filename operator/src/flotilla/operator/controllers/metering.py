@@ -24,6 +24,7 @@ from flotilla.operator.api.v1alpha1 import (
     TokenCount,
 )
 from flotilla.operator.clients.token_scrape import read_token_counters
+from flotilla.operator.controllers import backstop
 from flotilla.operator.controllers.indexes import labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import MeteringState, Runtime
 from flotilla.operator.controllers.tenant_access import sync_objects
@@ -60,6 +61,7 @@ def _compact_pod(body) -> dict:
             },
         },
         "spec": {
+            "nodeName": spec.get("nodeName"),
             "nodeSelector": {
                 k: v for k, v in (spec.get("nodeSelector") or {}).items() if k == GPU_TYPE_LABEL
             },
@@ -97,6 +99,11 @@ def _compact_pod(body) -> dict:
     }
 
 
+def node_gpu_types(gpu_nodes: kopf.Index) -> dict[str, str]:
+    """Node name -> its GPU type, from the gpu_nodes index (GPU type -> node names)."""
+    return {node: gpu_type for gpu_type, store in gpu_nodes.items() for node in store}
+
+
 @kopf.index("", "v1", "pods")
 def gpu_pods(namespace: str, body: kopf.Body, **_) -> dict:
     pod = _compact_pod(body)
@@ -104,10 +111,10 @@ def gpu_pods(namespace: str, body: kopf.Body, **_) -> dict:
 
 
 @kopf.on.event("", "v1", "pods")
-def pod_removed(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+def pod_removed(event: dict, body: kopf.Body, memo: kopf.Memo, gpu_nodes: kopf.Index, **_) -> None:
     if event.get("type") != "DELETED":
         return
-    span = span_of(_compact_pod(body), removed_at=time.time())
+    span = span_of(_compact_pod(body), removed_at=time.time(), node_gpu_types=node_gpu_types(gpu_nodes))
     if span is not None:
         state: MeteringState = memo.metering
         with state.lock:
@@ -129,13 +136,16 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     # The Tenant as just read, over the index's others: flotilla.ownership decides what it owns.
     tenants = {**tenant_specs(kwargs["tenants"]), name: spec}
     owned = namespaces_owned(name, tenants, labels)
-    sync_objects(rt.kube, state.applied, name, obj["metadata"]["uid"], spec, owned, labels)
+    gpu_limits = backstop.limits(rt, name, spec, [ns for ns in owned if ns in labels], kwargs["gpu_pods"])
+    backstop.raise_limits(rt, name, gpu_limits)  # lowered ones first, before the other objects
+    sync_objects(rt.kube, state.applied, name, obj["metadata"]["uid"], spec, owned, labels, gpu_limits)
     mine = set(owned)
     disputed = [o for o in contested(tenants, labels) if name in o.claimants]
 
     now = time.time()
     pods = [p for ns in mine for p in kwargs["gpu_pods"].get(ns, [])]
-    spans = {s.uid: s for s in (span_of(p) for p in pods) if s is not None}
+    types = node_gpu_types(kwargs["gpu_nodes"])
+    spans = {s.uid: s for s in (span_of(p, node_gpu_types=types) for p in pods) if s is not None}
     with state.lock:
         ended = {uid: s for uid, s in state.ended.items() if s.namespace in mine}
     spans.update(ended)

@@ -14,6 +14,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from flotilla.operator.clients.kube import api_error_message
+from flotilla.operator.controllers import backstop
 from flotilla.operator.controllers.indexes import index_one, labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired.drift import drifted
@@ -21,7 +22,7 @@ from flotilla.operator.desired.reconcile import Event, Plan, World, plan, status
 from flotilla.operator.desired.status import service_figures, with_apply_failures
 from flotilla.operator.metrics import RECONCILE_DURATION, RECONCILE_ERRORS, RECONCILES, SERVICES
 from flotilla.operator.tenancy.quota import Held, Key
-from flotilla.operator.tenancy.rules import tenant_of
+from flotilla.operator.tenancy.rules import namespaces_owned, tenant_of
 
 log = logging.getLogger("flotilla.operator")
 
@@ -43,7 +44,15 @@ def sync(
     RECONCILES.labels(trigger).inc()
     with _key_lock(rt, key), RECONCILE_DURATION.labels(trigger).time():
         try:
+            before = rt.held.get(key)
             result = _plan(rt, obj, key, idx)
+            if (
+                result.held is not None
+                and result.held.tenant
+                and result.held.gpus > (before.gpus if before else 0)
+            ):
+                # The namespace's GPU limit first, or the new pods meet the old one.
+                _raise_backstop(rt, result.held.tenant, idx)
             to_apply = _to_apply(result, mode, observed, index_one(idx["deployments"], key))
             if mode == "drift" and to_apply:
                 log.info(
@@ -57,6 +66,15 @@ def sync(
         except Exception:
             RECONCILE_ERRORS.labels(trigger).inc()
             raise
+
+
+def _raise_backstop(rt: Runtime, tenant: str, idx: dict) -> None:
+    specs = tenant_specs(idx["tenants"])
+    labels = labels_by_namespace(idx["namespace_labels"])
+    if tenant not in specs:
+        return
+    owned = [ns for ns in namespaces_owned(tenant, specs, labels) if ns in labels]
+    backstop.raise_limits(rt, tenant, backstop.limits(rt, tenant, specs[tenant], owned, idx["gpu_pods"]))
 
 
 def retry_services(rt: Runtime, idx: dict, wanted: Callable[[dict, dict], bool], trigger: str) -> None:

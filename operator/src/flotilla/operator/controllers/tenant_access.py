@@ -22,13 +22,20 @@ APPLY = "application/apply-patch+yaml"
 
 
 def sync_objects(
-    kube: Kube, applied: dict[str, str], name: str, uid: str, spec: TenantSpec, owned: list[str], labels: dict
+    kube: Kube,
+    applied: dict[str, str],
+    name: str,
+    uid: str,
+    spec: TenantSpec,
+    owned: list[str],
+    labels: dict,
+    gpu_limits: dict[str, int],
 ) -> None:
     """Apply the Tenant's RBAC and ResourceQuota in the namespaces it owns (flotilla.ownership: claimed by
     it alone) that exist, if they changed since `applied` (tenant -> digest) says they were last applied,
     and remove them from namespaces it no longer owns."""
     existing = [ns for ns in owned if ns in labels]
-    objects = tenant_rbac.desired_objects(name, uid, spec, existing)
+    objects = tenant_rbac.desired_objects(name, uid, spec, existing, gpu_limits)
     digest = hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()
     if applied.get(name) == digest:
         return

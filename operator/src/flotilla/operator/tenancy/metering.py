@@ -59,9 +59,15 @@ def pod_gpus(pod: Mapping) -> int:
     return total
 
 
-def span_of(pod: Mapping, *, removed_at: float | None = None) -> Span | None:
+def span_of(
+    pod: Mapping, *, removed_at: float | None = None, node_gpu_types: Mapping[str, str] | None = None
+) -> Span | None:
     """The pod's GPU span, or None when it holds no GPUs or was never bound. `removed_at`: when the pod
-    was seen deleted from the API (a terminating pod holds its GPUs until its containers stop)."""
+    was seen deleted from the API (a terminating pod holds its GPUs until its containers stop).
+
+    Its GPU type is the one its nodeSelector asks for (Flotilla's engine pods), else its node's
+    (`node_gpu_types`: node name -> GPU type): a GPU pod someone else made is charged for the GPUs it
+    actually got, never under an unknown type."""
     gpus = pod_gpus(pod)
     status = pod.get("status") or {}
     scheduled = next(
@@ -92,7 +98,9 @@ def span_of(pod: Mapping, *, removed_at: float | None = None) -> Span | None:
         uid=meta.get("uid", ""),
         namespace=meta.get("namespace", ""),
         service=(meta.get("labels") or {}).get(SERVICE_LABEL) or UNKNOWN,
-        gpu_type=(spec.get("nodeSelector") or {}).get(GPU_TYPE_LABEL) or UNKNOWN,
+        gpu_type=(spec.get("nodeSelector") or {}).get(GPU_TYPE_LABEL)
+        or (node_gpu_types or {}).get(spec.get("nodeName") or "")
+        or UNKNOWN,
         gpus=gpus,
         start=start,
         end=end,

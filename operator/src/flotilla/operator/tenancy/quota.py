@@ -80,6 +80,10 @@ class Ledger:
         with self.lock:
             return self._firm.pop(key, None)
 
+    def get(self, key: Key) -> Held | None:
+        with self.lock:
+            return self._firm.get(key)
+
     def entries(self, tenant: str | None = None) -> list[Held]:
         """Every service's entry (of `tenant`, if given)."""
         with self.lock:

@@ -6,16 +6,20 @@ From spec.members the operator derives, for each Tenant:
   beyond reading, so GPU pods created directly cannot go around the quota;
 - a ClusterRole and ClusterRoleBinding that let the members `get` their own Tenant, and nothing else
   of it (no update: members cannot edit their quota);
-- in each namespace, a ResourceQuota on requests.nvidia.com/gpu as a backstop: the API server itself
-  refuses GPU pods beyond the tenant's total GPU quota, whoever creates them.
+- in each namespace, a ResourceQuota on requests.nvidia.com/gpu as a backstop: the limits partition the
+  tenant's total GPU quota over its namespaces (backstop.py), so the API server itself refuses GPU pods
+  beyond that total, whoever creates them and in whichever of its namespaces.
 Every object is owned by the Tenant (garbage-collected with it) and labelled with its name, so objects
 of namespaces the Tenant no longer claims can be found and removed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from flotilla.operator.api.v1alpha1 import API_VERSION, GROUP, INFERENCE_SERVICE, TENANT, TenantSpec
-from flotilla.operator.naming import GPU_RESOURCE, MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
+from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
+from flotilla.operator.tenancy.backstop import namespace_limits, resource_quota
 
 MEMBER_ROLE = "flotilla-tenant-member"
 RBAC_API = "rbac.authorization.k8s.io/v1"
@@ -71,10 +75,18 @@ def subjects(spec: TenantSpec) -> list[dict]:
     return out
 
 
-def desired_objects(tenant: str, uid: str, spec: TenantSpec, namespaces: list[str]) -> list[dict]:
-    """Objects to apply for the Tenant; `namespaces` are the ones it claims that exist."""
+def desired_objects(
+    tenant: str,
+    uid: str,
+    spec: TenantSpec,
+    namespaces: list[str],
+    gpu_limits: Mapping[str, int] | None = None,
+) -> list[dict]:
+    """Objects to apply for the Tenant; `namespaces` are the ones it owns that exist; `gpu_limits` each
+    one's backstop limit (backstop.py; default: the quota split with nothing held)."""
     members = subjects(spec)
-    gpu_total = sum(spec.gpu_quota.values())
+    if gpu_limits is None:
+        gpu_limits = namespace_limits(sum(spec.gpu_quota.values()), namespaces, {}, {})
     objects: list[dict] = [
         {
             "apiVersion": RBAC_API,
@@ -115,14 +127,7 @@ def desired_objects(tenant: str, uid: str, spec: TenantSpec, namespaces: list[st
                 "subjects": members,
             }
         )
-        objects.append(
-            {
-                "apiVersion": "v1",
-                "kind": "ResourceQuota",
-                "metadata": _meta(tenant, uid, namespace),
-                "spec": {"hard": {f"requests.{GPU_RESOURCE}": str(gpu_total)}},
-            }
-        )
+        objects.append(resource_quota(_meta(tenant, uid, namespace), gpu_limits.get(namespace, 0)))
     return objects
 
 
