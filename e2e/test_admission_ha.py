@@ -31,6 +31,8 @@ from flotilla.operator.cmd.local_chart import (
     free_node_port,
     install,
     local_values,
+    operator_pods,
+    pod_ready,
 )
 
 pytestmark = pytest.mark.cluster
@@ -42,19 +44,6 @@ WEBHOOK = "flotilla-webhook"
 QUOTA = 3
 BURST = 8
 REPORT: list[str] = []  # printed at the end: the figures for the closing note
-
-
-def _operator_pods(cluster: ClusterHandle) -> list[dict]:
-    items = cluster.get_json("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=flotilla-operator")[
-        "items"
-    ]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def _ready(pod: dict) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", [])
-    )
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +62,7 @@ def chart(cluster: ClusterHandle):
 def _scale_operator(cluster: ClusterHandle, values: dict, replicas: int) -> None:
     install(cluster, values, chart=ROOT / CHART_DIR)
     wait_for(
-        lambda: len([p for p in _operator_pods(cluster) if _ready(p)]) == replicas,
+        lambda: len([p for p in operator_pods(cluster) if pod_ready(p)]) == replicas,
         180,
         f"{replicas} Ready operator pods",
     )
@@ -190,7 +179,7 @@ def test_bursts_never_store_more_than_the_quota(chart, cluster: ClusterHandle, r
 def test_the_active_replica_killed_in_a_burst(chart, cluster: ClusterHandle):
     chart(2)
     _, ns = _tenant_and_namespace(cluster, "kill")
-    active = max(_operator_pods(cluster), key=lambda p: p["metadata"]["creationTimestamp"])
+    active = max(operator_pods(cluster), key=lambda p: p["metadata"]["creationTimestamp"])
     name = active["metadata"]["name"]
 
     def kill() -> None:

@@ -28,6 +28,8 @@ from flotilla.operator.cmd.local_chart import (
     free_node_port,
     install,
     local_values,
+    operator_pods,
+    pod_ready,
     uninstall,
 )
 
@@ -63,19 +65,6 @@ def _values(node_port: int, gateway_port: int | None = None, **overrides) -> dic
         tests__gpuType="h100",
         tests__timeoutSeconds=300,
         **overrides,
-    )
-
-
-def _operator_pods(cluster: ClusterHandle) -> list[dict]:
-    items = cluster.get_json("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=flotilla-operator")[
-        "items"
-    ]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def _ready(pod: dict) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", [])
     )
 
 
@@ -121,8 +110,8 @@ def test_rendered_manifests_pass_the_api_servers_dry_run(cluster: ClusterHandle)
 
 
 def test_the_operator_runs_as_a_pod_under_its_service_account(release: Release, cluster: ClusterHandle):
-    (pod,) = _operator_pods(cluster)
-    assert _ready(pod)
+    (pod,) = operator_pods(cluster)
+    assert pod_ready(pod)
     assert pod["spec"]["serviceAccountName"] == "flotilla-operator"
     # kopf peering: the operator made its meeting place itself (the chart cannot ship it beside its CRD).
     wait_for(
@@ -221,7 +210,7 @@ def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Rel
     ca_before = cluster.get_json("validatingwebhookconfiguration", WEBHOOK)["webhooks"][0]["clientConfig"][
         "caBundle"
     ]
-    (old_operator,) = _operator_pods(cluster)
+    (old_operator,) = operator_pods(cluster)
     engines = cluster.get_json("pods", "-n", NS, "-l", "flotilla.dev/inferenceservice=svc")["items"]
     assert len(engines) == 1
     engine_uid = engines[0]["metadata"]["uid"]
@@ -255,10 +244,10 @@ def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Rel
             lambda: (
                 [
                     p
-                    for p in _operator_pods(cluster)
-                    if p["metadata"]["uid"] != old_operator["metadata"]["uid"] and _ready(p)
+                    for p in operator_pods(cluster)
+                    if p["metadata"]["uid"] != old_operator["metadata"]["uid"] and pod_ready(p)
                 ]
-                and len(_operator_pods(cluster)) == 1
+                and len(operator_pods(cluster)) == 1
             ),
             120,
             "the old operator pod to be replaced by a Ready new one",
