@@ -245,6 +245,8 @@ GATEWAY_HELD_REQUESTS = "flotilla_gateway_held_requests"  # gauge {model}: waiti
 GATEWAY_COLD_START = "flotilla_gateway_cold_start_seconds"  # histogram {model}: held until a replica served
 GATEWAY_RATE_LIMITED = "flotilla_gateway_rate_limited"  # counter {tenant, limit}
 GATEWAY_RETRIES = "flotilla_gateway_retries"  # counter {model}
+# counter {reason}: streams that lost their replica after their first output (ended with an error event)
+GATEWAY_STREAM_ERRORS = "flotilla_gateway_stream_errors"
 
 
 # -- conditions the gateway reads (an InferenceService's status.conditions, as the operator writes them) -----

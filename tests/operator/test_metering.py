@@ -5,7 +5,16 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from flotilla.operator.api.v1alpha1 import MeteringLedger, TokenCount
-from flotilla.operator.tenancy.metering import cost, count_tokens, meter, span_of, split_by_day, usage_views
+from flotilla.operator.tenancy.metering import (
+    NODE_SILENCE_SECONDS,
+    cost,
+    count_tokens,
+    meter,
+    metered_end,
+    span_of,
+    split_by_day,
+    usage_views,
+)
 
 
 def ts(text: str) -> float:
@@ -93,3 +102,22 @@ def test_token_counters_count_deltas_and_restarts():
     assert added == TokenCount(input=5, output=4)
     added, _ = count_tokens(counters, {"p1": TokenCount(input=3, output=1)})  # the engine restarted
     assert added == TokenCount(input=3, output=1)
+
+
+def test_a_deleted_pod_ends_when_its_node_let_it_go_or_at_its_deadline():
+    """The durable facts a restarted operator reads back from a pod its finalizer kept in the API."""
+    stopped = pod(finished="2026-01-01T10:05:07Z")
+    stopped["metadata"].update(deletionTimestamp="2026-01-01T10:05:00Z", deletionGracePeriodSeconds=0)
+    assert span_of(stopped).end == ts("2026-01-01T10:05:07")  # the container's own end
+    simulated = pod()
+    simulated["metadata"].update(deletionTimestamp="2026-01-01T10:05:00Z", deletionGracePeriodSeconds=0)
+    assert span_of(simulated).end == ts("2026-01-01T10:05:00")  # nothing ran past the deletion
+    silent = pod()
+    silent["metadata"].update(deletionTimestamp="2026-01-01T10:05:30Z", deletionGracePeriodSeconds=30)
+    assert span_of(silent, now=ts("2026-01-01T10:05:40")).end is None  # the node may still be stopping it
+    late = ts("2026-01-01T10:05:30") + NODE_SILENCE_SECONDS
+    assert span_of(silent, now=late).end == ts("2026-01-01T10:05:30")  # its deadline: the latest possible
+    # Its finalizer may go only once a round has counted it to its end.
+    assert not metered_end(stopped, ts("2026-01-01T10:05:06"))
+    assert metered_end(stopped, ts("2026-01-01T10:05:07"))
+    assert not metered_end(pod(), ts("2026-01-02T00:00:00"))  # still running

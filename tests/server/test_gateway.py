@@ -28,6 +28,7 @@ from flotilla.contract import (
     GATEWAY_REQUESTS,
     GATEWAY_RETRIES,
     GATEWAY_ROUTING_DECISIONS,
+    GATEWAY_STREAM_ERRORS,
     PREFIX_CACHE_HITS,
     REQUEST_SUCCESS,
     TENANT_PROMPT_TOKENS,
@@ -339,3 +340,132 @@ def test_held_requests_time_out_with_503_and_a_full_queue_or_quota_is_429(make_g
 def test_a_service_at_zero_without_scale_from_zero_is_503_at_once(make_gateway):
     gateway = make_gateway(HandSetFleet([service("chat", [], min_replicas=None, desired_replicas=0)]))
     assert_error(post(gateway, chat_body("hello")), 503, "no_replicas", "scaled to 0")
+
+
+# -- replicas lost mid-request -------------------------------------------------------------------------------
+class CuttingReplica:
+    """A replica that answers 200 and sends `body` (SSE events, or part of a JSON body), then drops the
+    connection without ending the response: what a SIGKILLed or deleted engine pod does to a request."""
+
+    def __init__(self, body: bytes, stream: bool) -> None:
+        self.body, self.stream, self.served = body, stream, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                got = conn.recv(65536)
+                if not got:
+                    return
+                data += got
+            head, _, rest = data.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            length = next(
+                (int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length")), 0
+            )
+            while len(rest) < length:
+                got = conn.recv(65536)
+                if not got:
+                    return
+                rest += got
+            if not lines[0].startswith(b"POST"):  # the gateway's own lookups (tokenizer, stats): not here
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                return
+            self.served += 1
+            if self.stream:  # chunked, and never the last chunk
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n"
+                             + f"{len(self.body):x}\r\n".encode() + self.body + b"\r\n")  # fmt: skip
+            else:  # a content-length the body never reaches
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             + f"content-length: {len(self.body) + 100}\r\n\r\n".encode() + self.body)  # fmt: skip
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _chat_event(delta: dict, finish: str | None = None) -> bytes:
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+@pytest.mark.timeout(180)
+def test_a_stream_whose_replica_dies_before_its_first_token_is_retried_and_never_fails(engines, make_gateway):
+    """The replica sends 200 and the role chunk, then dies: no token reached the client, so the client
+    must not see a failure; the request goes to the other replica."""
+    cutter = CuttingReplica(_chat_event({"role": "assistant", "content": ""}), stream=True)
+    try:
+        gateway = make_gateway(
+            HandSetFleet([service("chat", [cutter.url, engines[0].url])]), routing="round-robin"
+        )
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY_A, max_retries=0)
+        for i in range(4):
+            body = chat_body(f"stream {i}", max_tokens=3)
+            chunks = list(client.chat.completions.create(model=body["model"], messages=body["messages"],
+                          max_tokens=3, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+            assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 3
+            assert chunks[-1].choices[0].finish_reason == "length"
+        assert cutter.served >= 1  # round robin did send some to the dying replica
+        assert total(gateway.url, counter_total(GATEWAY_RETRIES)) == cutter.served
+        assert total(gateway.url, counter_total(GATEWAY_STREAM_ERRORS)) == 0
+        assert gateway.gateway.router.in_flight == {}
+    finally:
+        cutter.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_whole_response_cut_before_its_end_is_retried(engines, make_gateway):
+    cutter = CuttingReplica(b'{"id": "cmpl-1", "choices": [{"text": "par', stream=False)
+    try:
+        gateway = make_gateway(
+            HandSetFleet([service("chat", [cutter.url, engines[0].url])]), routing="round-robin"
+        )
+        for i in range(3):
+            resp = post(gateway, chat_body(f"whole {i}"))
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["finish_reason"] == "length"
+        assert cutter.served >= 1
+        assert gateway.gateway.router.in_flight == {}
+    finally:
+        cutter.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_stream_that_loses_its_replica_after_tokens_ends_with_an_error_event_and_done(make_gateway):
+    events = (
+        _chat_event({"role": "assistant", "content": ""})
+        + _chat_event({"content": "Hel"})
+        + _chat_event({"content": "lo"})
+    )
+    cutter = CuttingReplica(events, stream=True)
+    try:
+        gateway = make_gateway(HandSetFleet([service("chat", [cutter.url])]))
+        body = chat_body("cut me", max_tokens=10, stream=True)
+        with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False,
+                          headers={"Authorization": f"Bearer {KEY_A}"}) as rsp:  # fmt: skip
+            assert rsp.status_code == 200
+            data = [line[6:] for line in rsp.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        error = json.loads(data[-2])["error"]
+        assert error["code"] == "upstream_lost" and "lost after" in error["message"], error
+        assert set(error) == {"message", "type", "param", "code"}
+        contents = [json.loads(d)["choices"][0]["delta"].get("content") for d in data[:-2]]
+        assert contents == ["", "Hel", "lo"]  # what the replica produced reached the client first
+        assert total(gateway.url, counter_total(GATEWAY_STREAM_ERRORS), reason="upstream_lost") == 1
+        assert gateway.gateway.router.in_flight == {}
+    finally:
+        cutter.close()

@@ -100,6 +100,8 @@ class NodeAgent:
         self.simulated: dict[str, str] = {}  # uid -> pod IP, for --simulate
         self.sent: dict[str, dict] = {}  # uid -> last status written
         self.sent_over: dict[str, str | None] = {}  # uid -> resourceVersion our last write replaced
+        # Pods stopped and deleted with grace 0 that a finalizer (another's) keeps in the API for now.
+        self.let_go: set[str] = set()
         self.stopping = threading.Event()
         self.services = service_env(*api_endpoint(client.server))
         self.sandbox_python: str | None = None  # set by check_sandbox when mount namespaces work
@@ -330,6 +332,8 @@ class NodeAgent:
                 log(f"status of {pod['metadata']['namespace']}/{pod['metadata']['name']}: {exc}")
 
     def _finish_deletion(self, uid: str, pod: dict) -> None:
+        if uid in self.let_go:
+            return
         try:
             self.client.delete(self._pod_path(pod), {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}})
         except ApiError as exc:
@@ -338,6 +342,7 @@ class NodeAgent:
                 return
         log(f"pod {pod['metadata']['namespace']}/{pod['metadata']['name']} stopped and removed")
         self._forget(uid, pod)
+        self.let_go.add(uid)
 
     def _forget(self, uid: str, pod: dict) -> None:
         runtime = self.runtimes.pop(uid, None)
@@ -394,6 +399,8 @@ class NodeAgent:
                 grace = meta.get("deletionGracePeriodSeconds", spec.get("terminationGracePeriodSeconds", 30))
                 runtime.begin_termination(float(grace), now)
                 if runtime.termination_done(now):
+                    runtime.record_exits(now)
+                    self._write_status(uid, pod, pod_status(runtime))
                     self._finish_deletion(uid, pod)
                 continue
             runtime.sync(now)
@@ -407,6 +414,7 @@ class NodeAgent:
             self._forget(uid, runtime.pod)
         for uid in set(self.simulated) - set(seen):
             self.simulated.pop(uid, None)
+        self.let_go &= set(seen)
 
     def _ready_pods(self, namespace: str, selector: dict[str, str]) -> list[tuple[dict, str]]:
         """The pods a NodePort forwards to: Ready, not terminating, selected by the Service."""

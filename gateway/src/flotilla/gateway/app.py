@@ -37,7 +37,7 @@ from flotilla.gateway.hold import HoldQueue, QueueFull, Ready, Refused, TimedOut
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.prompts import PromptHasher
 from flotilla.gateway.router import Router
-from flotilla.gateway.upstream import Exchange, send, upstream_headers
+from flotilla.gateway.upstream import CONNECTION_LOST, Exchange, send, upstream_headers
 
 T = TypeVar("T")
 PASSED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id")
@@ -157,7 +157,11 @@ class Gateway:
             return StreamingResponse(self.relay(exchange, tenant), status_code=200,
                                      headers=passed_headers(exchange.response))  # fmt: skip
         try:
-            data = await self.until_disconnected(request, exchange.response.aread())
+            data = (
+                exchange.head
+                if exchange.complete
+                else await self.until_disconnected(request, exchange.response.aread())
+            )
         finally:
             await exchange.close()
         self.charge_completion(tenant, data)
@@ -258,7 +262,7 @@ class Gateway:
         self.metrics.added_latency.observe(sent - arrival)
         exchange = await send(self.client, self.router, lambda: self.fleet.index.get(key), path, content, headers,
                               hashes, known.num_blocks if known else None, self.metrics,
-                              service.served_name)  # fmt: skip
+                              service.served_name, body.get("stream") is True)  # fmt: skip
         self.metrics.upstream_ttfb.labels(service.served_name).observe(time.perf_counter() - sent)
         if prompt_tokens:
             block = known.block_size if known else 1
@@ -297,13 +301,23 @@ class Gateway:
             yield chunk
 
     async def relay(self, exchange: Exchange, tenant: str | None) -> AsyncIterator[bytes]:
-        """The upstream stream, chunk by chunk. Closing it (the client went away: Starlette cancels this
-        generator) closes the upstream connection, and the engine aborts the request."""
-        events = 0
+        """The upstream stream, chunk by chunk, from what was read before committing on. Closing it (the
+        client went away: Starlette cancels this generator) closes the upstream connection, and the engine
+        aborts the request. A replica lost mid-stream ends it with an error event and [DONE], never a
+        silent cut."""
+        events = exchange.head.count(b"data: {")
         try:
-            async for chunk in exchange.response.aiter_raw():
-                events += chunk.count(b"data: {")
-                yield chunk
+            yield exchange.head
+            try:
+                async for chunk in exchange.rest():
+                    events += chunk.count(b"data: {")
+                    yield chunk
+            except (*CONNECTION_LOST, httpx.TimeoutException) as exc:
+                reason = "upstream_timeout" if isinstance(exc, httpx.TimeoutException) else "upstream_lost"
+                self.metrics.stream_errors.labels(reason).inc()
+                pod = exchange.decision.endpoint.pod
+                yield GatewayError(502, f"the replica serving this stream ({pod}) was lost after {events} "
+                                   "events; the output so far is incomplete", code=reason).sse()  # fmt: skip
         finally:
             await exchange.close()
             if tenant is not None and events:

@@ -1,7 +1,7 @@
 """The gateway's own series (names from flotilla.contract), in a registry of its own: requests by tenant,
 model and code; routing decisions by reason; the predicted prefix-hit share (hit tokens over prompt tokens);
 upstream time to first byte; requests held at zero replicas and cold-start time; the gateway's added
-latency; rate-limit refusals and retries."""
+latency; rate-limit refusals and retries; streams cut after their first output."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from flotilla.contract import (
     GATEWAY_REQUESTS,
     GATEWAY_RETRIES,
     GATEWAY_ROUTING_DECISIONS,
+    GATEWAY_STREAM_ERRORS,
     GATEWAY_UPSTREAM_TTFB,
     LABEL_CODE,
     LABEL_LIMIT,
@@ -53,4 +54,10 @@ class GatewayMetrics:
                                     [LABEL_TENANT, LABEL_LIMIT], registry=r)  # fmt: skip
         self.retries = Counter(
             GATEWAY_RETRIES, "requests retried on another replica", [LABEL_MODEL], registry=r
+        )
+        self.stream_errors = Counter(
+            GATEWAY_STREAM_ERRORS,
+            "streams whose replica was lost after their first output, ended with an error event, by reason",
+            [LABEL_REASON],
+            registry=r,
         )

@@ -12,6 +12,10 @@ TENANT_LABEL = "flotilla.dev/tenant"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "flotilla"
 
+# On every engine pod while it lives: the operator removes it once it has metered the pod's end, so a pod
+# that ends while no operator runs is still there, with its end, for the next operator (tenancy/metering.py).
+METERING_FINALIZER = "flotilla.dev/metering"
+
 NO_TENANT = ""  # FLOTILLA_TENANT's value when no Tenant claims the namespace
 
 

@@ -5,7 +5,7 @@ Tenants outlive it. kopf's finalizer on them would then make every later delete 
 is gone. So, before Helm deletes anything: delete the webhook configuration (Helm is about to; with the
 operator stopped, its failurePolicy Fail would refuse the patches below), scale the operator to zero (so
 that no replica adds the finalizer back), wait until its pods are gone, and remove the finalizer from
-every object that has it.
+every object that has it, and the metering finalizer from every engine pod.
 """
 
 from __future__ import annotations
@@ -95,4 +95,18 @@ def run(args: argparse.Namespace) -> int:
             released += 1
             say(f"released {kind.kind} {meta.get('namespace', '')}/{meta['name']}".replace(" /", " "))
     say(f"released the finalizer {finalizer()} from {released} object(s)")
+    # Engine pods keep their metering finalizer until an operator meters their end; with none left,
+    # a pod deleted later would wait for ever. What they ran until now was metered by the last round.
+    from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, METERING_FINALIZER
+
+    pods = kube.core.list_pod_for_all_namespaces(label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}").items
+    released = 0
+    for pod in pods:
+        kept = without_finalizer(pod.metadata.finalizers, METERING_FINALIZER)
+        if kept is None:
+            continue
+        patch = {"metadata": {"finalizers": kept, "resourceVersion": pod.metadata.resource_version}}
+        kube.core.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace, patch)
+        released += 1
+    say(f"released the finalizer {METERING_FINALIZER} from {released} engine pod(s)")
     return 0

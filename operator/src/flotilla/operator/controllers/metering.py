@@ -1,6 +1,8 @@
 """Metering's kopf layer: an index of GPU pods, the spans of pods removed between rounds, and one daemon
 per Tenant that, every metering interval, applies the Tenant's access objects when they changed
 (tenant_access.py) and then meters (lastMeteredTime, now] into Tenant.status with one conditional PUT.
+The engine pods' metering finalizer is added here as they appear and removed after the round that counted
+their end (tenancy/metering.py says why); a pod that ends wakes its tenant's round.
 
 Thin on purpose; the counting is tenancy/metering.py's.
 """
@@ -8,6 +10,7 @@ Thin on purpose; the counting is tenancy/metering.py's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import cast
 
@@ -25,27 +28,36 @@ from flotilla.operator.api.v1alpha1 import (
 )
 from flotilla.operator.clients.token_scrape import read_token_counters
 from flotilla.operator.controllers import backstop
-from flotilla.operator.controllers.indexes import labels_by_namespace, tenant_specs
+from flotilla.operator.controllers.indexes import MANAGED, labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import MeteringState, Runtime
 from flotilla.operator.controllers.tenant_access import sync_objects
 from flotilla.operator.desired.status import merge_transition_times
 from flotilla.operator.metrics import API_CALLS
-from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL, TENANT_LABEL
+from flotilla.operator.naming import (
+    GPU_RESOURCE,
+    GPU_TYPE_LABEL,
+    METERING_FINALIZER,
+    SERVICE_LABEL,
+    TENANT_LABEL,
+)
 from flotilla.operator.tenancy.metering import (
     cost,
     count_tokens,
     format_time,
     meter,
+    metered_end,
     parse_time,
     pod_gpus,
     span_of,
     usage_views,
 )
 from flotilla.operator.tenancy.metering_metrics import TENANTS
-from flotilla.operator.tenancy.rules import contested, namespaces_owned
+from flotilla.operator.tenancy.rules import contested, namespaces_owned, tenant_of
 from flotilla.ownership import Owner
 
 log = logging.getLogger("flotilla.operator.tenancy.rules")
+
+WAKE_CHECK_SECONDS = 0.25  # how often a waiting daemon looks at its wake event and kopf's stop flag
 
 
 def _compact_pod(body) -> dict:
@@ -59,6 +71,8 @@ def _compact_pod(body) -> dict:
             "labels": {
                 k: v for k, v in (meta.get("labels") or {}).items() if k in (SERVICE_LABEL, TENANT_LABEL)
             },
+            **{k: meta[k] for k in ("deletionTimestamp", "deletionGracePeriodSeconds") if k in meta},
+            "finalizers": [f for f in meta.get("finalizers") or [] if f == METERING_FINALIZER],
         },
         "spec": {
             "nodeName": spec.get("nodeName"),
@@ -104,6 +118,59 @@ def node_gpu_types(gpu_nodes: kopf.Index) -> dict[str, str]:
     return {node: gpu_type for gpu_type, store in gpu_nodes.items() for node in store}
 
 
+@kopf.on.event("", "v1", "pods", labels=MANAGED)
+def hold_for_metering(body: kopf.Body, memo: kopf.Memo, **kwargs) -> None:
+    """Every engine pod carries the metering finalizer while it lives; once it has ended, its tenant's
+    round meters it and lets it go (at once where no tenant owns the namespace: nothing to meter)."""
+    rt: Runtime = memo.runtime
+    meta = body.get("metadata") or {}
+    mine = METERING_FINALIZER in (meta.get("finalizers") or [])
+    if meta.get("deletionTimestamp") is None:
+        if not mine and (body.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            _patch_finalizers(rt, body, [*(meta.get("finalizers") or []), METERING_FINALIZER])
+        return
+    if not mine:
+        return
+    tenants = tenant_specs(kwargs["tenants"])
+    owner = tenant_of(meta.get("namespace", ""), tenants, labels_by_namespace(kwargs["namespace_labels"]))
+    if owner is None:
+        release_pod(rt, _compact_pod(body))
+        return
+    state: MeteringState = memo.metering
+    wake = state.wake.get(owner)
+    if wake is not None:
+        wake.set()
+
+
+def release_pod(rt: Runtime, pod: dict) -> None:
+    """Removes the metering finalizer (the pod is then deleted for good, if it was being deleted)."""
+    try:
+        API_CALLS.labels(verb="get", resource="pods").inc()
+        current = rt.kube.core.read_namespaced_pod(pod["metadata"]["name"], pod["metadata"]["namespace"])
+    except ApiException as exc:
+        if exc.status == 404:
+            return
+        raise
+    finalizers = list(current.metadata.finalizers or [])
+    if METERING_FINALIZER in finalizers:
+        body = {"metadata": {"name": current.metadata.name, "namespace": current.metadata.namespace,
+                             "resourceVersion": current.metadata.resource_version}}  # fmt: skip
+        _patch_finalizers(rt, body, [f for f in finalizers if f != METERING_FINALIZER])
+
+
+def _patch_finalizers(rt: Runtime, body, finalizers: list[str]) -> None:
+    """A merge patch of the whole list, conditional on the resourceVersion read (a concurrent change of
+    the list by someone else fails it with 409, and the next event tries again)."""
+    meta = body.get("metadata") or {}
+    patch = {"metadata": {"finalizers": finalizers, "resourceVersion": meta.get("resourceVersion")}}
+    API_CALLS.labels(verb="patch", resource="pods").inc()
+    try:
+        rt.kube.core.patch_namespaced_pod(meta.get("name"), meta.get("namespace"), patch)
+    except ApiException as exc:
+        if exc.status not in (404, 409):
+            raise
+
+
 @kopf.index("", "v1", "pods")
 def gpu_pods(namespace: str, body: kopf.Body, **_) -> dict:
     pod = _compact_pod(body)
@@ -145,7 +212,7 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     now = time.time()
     pods = [p for ns in mine for p in kwargs["gpu_pods"].get(ns, [])]
     types = node_gpu_types(kwargs["gpu_nodes"])
-    spans = {s.uid: s for s in (span_of(p, node_gpu_types=types) for p in pods) if s is not None}
+    spans = {s.uid: s for s in (span_of(p, node_gpu_types=types, now=now) for p in pods) if s is not None}
     with state.lock:
         ended = {uid: s for uid, s in state.ended.items() if s.namespace in mine}
     spans.update(ended)
@@ -198,6 +265,10 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
             if state.ended.get(uid) is span:
                 del state.ended[uid]
     TENANTS.update(name, new_status, spec)
+    # The ledger now holds every ended pod's span to its end: their finalizers may go.
+    for pod in pods:
+        if pod["metadata"].get("finalizers") and metered_end(pod, now, node_gpu_types=types, now=now):
+            release_pod(rt, pod)
 
 
 def _conditions(
@@ -251,7 +322,9 @@ def meter_tenant(stopped: kopf.DaemonStopped, name: str, memo: kopf.Memo, **kwar
     rt: Runtime = memo.runtime
     state: MeteringState = memo.metering
     _seed(name, kwargs)
+    wake = state.wake.setdefault(name, threading.Event())
     while not stopped:
+        wake.clear()
         try:
             _meter(rt, state, name, kwargs)
         except ApiException as exc:
@@ -264,5 +337,7 @@ def meter_tenant(stopped: kopf.DaemonStopped, name: str, memo: kopf.Memo, **kwar
                 log.warning("tenant %s: metering round failed: %s", name, exc)
         except Exception as exc:  # one bad round must not end metering for good
             log.warning("tenant %s: metering round failed: %s", name, exc, exc_info=exc)
-        stopped.wait(rt.tenancy.metering_interval_seconds)
+        deadline = time.monotonic() + rt.tenancy.metering_interval_seconds
+        while not stopped and not wake.is_set() and time.monotonic() < deadline:
+            stopped.wait(min(WAKE_CHECK_SECONDS, max(0.0, deadline - time.monotonic())))
     state.applied.pop(name, None)

@@ -50,6 +50,8 @@ class MeteringState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: dict[str, Span] = field(default_factory=dict)  # pod uid -> span of a removed pod
     applied: dict[str, str] = field(default_factory=dict)  # tenant -> digest of its RBAC/ResourceQuota
+    # A pod that ended wakes its tenant's daemon, so its metering finalizer goes within a round trip.
+    wake: dict[str, threading.Event] = field(default_factory=dict)
 
 
 def new_memo(runtime: Runtime) -> kopf.Memo:

@@ -38,7 +38,12 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
     ("apps", ["deployments"], ["get", "list", "watch", "create", "patch"], "engine pods; drift correction"),
     ("", ["services"], ["get", "list", "watch", "create", "patch"], "the service's stable address"),
     ("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch"], "drain safety"),
-    ("", ["pods"], ["get", "list", "watch"], "status: readiness, restarts, endpoints"),
+    (
+        "",
+        ["pods"],
+        ["get", "list", "watch", "patch"],
+        "status: readiness, restarts, endpoints; the metering finalizer on engine pods",
+    ),
     ("", ["nodes"], ["get", "list", "watch"], "which GPU types exist, for validation"),
     ("", ["events"], ["create"], "Warning and Normal events on InferenceServices"),
     (

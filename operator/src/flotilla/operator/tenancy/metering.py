@@ -2,7 +2,15 @@
 
 A pod holds `gpus` from binding (its PodScheduled condition turning True) until it ends: its containers
 terminated (Succeeded/Failed: the last finishedAt), or it was deleted (the last finishedAt if the node
-reported one, else the moment the operator saw it removed from the API).
+reported one; else, once the node has let it go, its deletionTimestamp; else the moment the operator saw
+it removed from the API).
+
+Durable facts, not the operator's memory: every engine pod carries METERING_FINALIZER, which the operator
+removes only after a round has written the pod's end into the Tenant's ledger. A pod deleted while no
+operator runs stays in the API (Terminating, its processes stopped, its end recorded by the node) until
+the next operator meters it. A node that never confirms a deleted pod's end is given
+NODE_SILENCE_SECONDS past the pod's deletion deadline; then the deadline is taken as its end (the latest
+a node may keep it running) and the pod is let go.
 
 Exactly once: each metering round covers the interval (lastMeteredTime, now] and writes the new totals
 and the new lastMeteredTime in ONE status update, conditional on the Tenant's resourceVersion. A round
@@ -19,6 +27,7 @@ from datetime import UTC, date, datetime, timedelta
 from flotilla.operator.api.v1alpha1 import GPUSeconds, MeteringLedger, TenantUsage, TokenCount
 from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL
 
+NODE_SILENCE_SECONDS = 60.0
 DAILY_RETENTION_DAYS = 62  # two months of daily buckets back `flotilla usage --since/--until`
 UNKNOWN = "-"  # the service or GPU type of a pod that names none
 
@@ -60,7 +69,11 @@ def pod_gpus(pod: Mapping) -> int:
 
 
 def span_of(
-    pod: Mapping, *, removed_at: float | None = None, node_gpu_types: Mapping[str, str] | None = None
+    pod: Mapping,
+    *,
+    removed_at: float | None = None,
+    node_gpu_types: Mapping[str, str] | None = None,
+    now: float | None = None,
 ) -> Span | None:
     """The pod's GPU span, or None when it holds no GPUs or was never bound. `removed_at`: when the pod
     was seen deleted from the API (a terminating pod holds its GPUs until its containers stop).
@@ -69,7 +82,7 @@ def span_of(
     (`node_gpu_types`: node name -> GPU type): a GPU pod someone else made is charged for the GPUs it
     actually got, never under an unknown type."""
     gpus = pod_gpus(pod)
-    status = pod.get("status") or {}
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
     scheduled = next(
         (
             c
@@ -81,17 +94,21 @@ def span_of(
     start = parse_time((scheduled or {}).get("lastTransitionTime"))
     if gpus == 0 or start is None:
         return None
-    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     finished = [
         parse_time(((s.get("state") or {}).get("terminated") or {}).get("finishedAt"))
         for s in status.get("containerStatuses") or []
     ]
     finished = [f for f in finished if f is not None]
     end = None
+    deleted = parse_time(meta.get("deletionTimestamp"))
     if status.get("phase") in ("Succeeded", "Failed") and finished:
         end = max(finished)
     elif removed_at is not None:
         end = max(finished) if finished else removed_at
+    elif deleted is not None and meta.get("deletionGracePeriodSeconds") == 0:
+        end = max(finished) if finished else deleted  # the node stopped it and let it go
+    elif deleted is not None and now is not None and now >= deleted + NODE_SILENCE_SECONDS:
+        end = deleted  # the node never said: its deadline, the latest it could have run
     if end is not None:
         end = max(end, start)
     return Span(
@@ -182,3 +199,10 @@ def count_tokens(
         added_in += now.input - before.input if now.input >= before.input else now.input
         added_out += now.output - before.output if now.output >= before.output else now.output
     return TokenCount(input=added_in, output=added_out), {**previous, **current}
+
+
+def metered_end(pod: Mapping, ledger_until: float, **span_args) -> bool:
+    """Whether the pod has ended and a round up to `ledger_until` has counted it to its end: its metering
+    finalizer may go."""
+    span = span_of(pod, **span_args)
+    return span is None or (span.end is not None and span.end <= ledger_until)
