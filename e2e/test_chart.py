@@ -287,6 +287,12 @@ def test_uninstall_removes_the_webhook_and_releases_finalizers(release: Release,
     )
     # The CRDs stay, with the tenants' objects; the operator's finalizer is gone from them.
     assert cluster.kubectl("get", "crd", "inferenceservices.flotilla.dev", check=False).returncode == 0
+    # The engine pods run on, released from the metering finalizer that only an operator would remove.
+    engines = cluster.get_json("pods", "-n", NS, "-l", "flotilla.dev/inferenceservice=svc")["items"]
+    assert engines and all(
+        "flotilla.dev/metering" not in (p["metadata"].get("finalizers") or []) for p in engines
+    ), [p["metadata"].get("finalizers") for p in engines]
+    cluster.kubectl("delete", "pods", "-n", NS, "-l", "flotilla.dev/inferenceservice=svc", "--timeout=60s")
     tenant = cluster.get_json("tenant", TENANT)
     assert "flotilla.dev/finalizer" not in (tenant["metadata"].get("finalizers") or [])
     assert cluster.get_json("inferenceservice", "svc", "-n", NS)["metadata"]["name"] == "svc"

@@ -35,6 +35,7 @@ from flotilla.operator.cmd.local import (
     kubeconfig_for,
     service_account_kubeconfig,
 )
+from flotilla.operator.naming import METERING_FINALIZER
 
 pytestmark = pytest.mark.cluster
 
@@ -422,6 +423,94 @@ def test_metering_survives_killed_operators_and_matches_pod_lifetimes(env, clust
     assert samples[("flotilla_tenant_gpus_allocated", h100)] == 2
     key = (("gpu_type", "h100"), ("namespace", ns), ("service", "metered"), ("tenant", tenant))
     assert samples[("flotilla_tenant_gpu_seconds_total", key)] >= metered
+
+
+def _time(stamp: str) -> float:
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _finished(pod: dict) -> float | None:
+    ends = [
+        _time(t)
+        for s in pod["status"].get("containerStatuses") or []
+        if (t := ((s.get("state") or {}).get("terminated") or {}).get("finishedAt"))
+    ]
+    return max(ends) if ends else None
+
+
+def test_a_pod_that_ends_while_no_operator_runs_is_metered_to_its_end(env, cluster):
+    """The operator is SIGKILLed; while it is down an admin scales the engine's Deployment away. The pod's
+    metering finalizer keeps it in the API with its end recorded by the node, and the next operator
+    meters it to that end, exactly (it once lost the whole outage)."""
+    ns, tenant, name = env.ns_b, env.tenant_b, "ended"
+    cluster.apply(_isvc(name, replicas=1), ns)
+    (pod,) = wait_for(
+        lambda: (
+            (
+                bound := [
+                    p for p in _bound_pods(cluster, ns, 1) or [] if p["metadata"]["name"].startswith(name)
+                ]
+            )
+            and METERING_FINALIZER in (bound[0]["metadata"].get("finalizers") or [])
+            and bound
+        ),
+        90,
+        "a bound engine pod that carries the metering finalizer",
+    )
+    uid = pod["metadata"]["uid"]
+    bound_at = _scheduled(pod)
+    wait_for(
+        lambda: _time(cluster.get_json("tenant", tenant)["status"]["lastMeteredTime"]) > bound_at,
+        30,
+        "a metering round that saw the pod",
+    )
+    env.operator.stop(signal.SIGKILL)
+    try:
+        # An outage long enough that a lost span could not hide in the tolerance.
+        last = _time(cluster.get_json("tenant", tenant)["status"]["lastMeteredTime"])
+        wait_for(lambda: time.time() - last >= 5, 30, "five seconds of outage since the last round")
+        cluster.kubectl("scale", "deployment", name, "-n", ns, "--replicas=0")
+        ended = wait_for(
+            lambda: next(
+                (
+                    p
+                    for p in _pods(cluster, ns)
+                    if p["metadata"]["uid"] == uid and p["metadata"].get("deletionGracePeriodSeconds") == 0
+                ),
+                None,
+            ),
+            60,
+            "the node to stop the pod and let it go (the finalizer keeps it in the API)",
+        )
+    finally:
+        env.operator.start()
+    # The node's record of its end: the container's finishedAt, or (an engine that was not running, as
+    # here where the model folder is empty) the deletion it acted on.
+    end = _finished(ended) or _time(ended["metadata"]["deletionTimestamp"])
+    assert end > last + 4
+    wait_for(lambda: all(p["metadata"]["uid"] != uid for p in _pods(cluster, ns)), 60, "the pod let go")
+    restarted = cluster.get_json("tenant", tenant)["status"]["lastMeteredTime"]
+    status = wait_for(
+        lambda: _status_if_metered_since(cluster, tenant, restarted), 30, "a round after release"
+    )
+    # The restarted operator scaled the service back to its one replica: that pod counts too.
+    others = [
+        p for p in _pods(cluster, ns) if p["metadata"]["name"].startswith(name) and p["spec"].get("nodeName")
+    ]
+    until = _time(status["lastMeteredTime"])
+    exact = (end - bound_at) + sum(max(0.0, until - _scheduled(p)) for p in others)
+    metered = status["usage"]["total"]["byService"][f"{ns}/{name}"]
+    print(f"\nmetered {metered:.2f} GPU-s, spans {exact:.2f} (pod ended {end - last:.1f}s into the outage)")
+    # Whole-second timestamps: up to one second per pod.
+    assert abs(metered - exact) <= 1.0 * (1 + len(others)), (metered, exact)
+    # Never counted twice: a later round adds only what still runs.
+    later = wait_for(
+        lambda: _status_if_metered_since(cluster, tenant, status["lastMeteredTime"]), 30, "one more round"
+    )
+    grown = later["usage"]["total"]["byService"][f"{ns}/{name}"] - metered
+    running = len(others) * (_time(later["lastMeteredTime"]) - until)
+    assert abs(grown - running) <= 1.0 * max(1, len(others)), (grown, running)
+    cluster.kubectl("delete", "inferenceservice", name, "-n", ns, "--wait=false")
 
 
 def test_a_webhook_without_its_namespace_exits_at_once_with_one_line(cluster, tmp_path):

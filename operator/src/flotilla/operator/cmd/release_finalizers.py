@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"released the finalizer {finalizer()} from {released} object(s)")
     # Engine pods keep their metering finalizer until an operator meters their end; with none left,
     # a pod deleted later would wait for ever. What they ran until now was metered by the last round.
+    from flotilla.operator.clients.kube import MERGE
     from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, METERING_FINALIZER
 
     pods = kube.core.list_pod_for_all_namespaces(label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}").items
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         if kept is None:
             continue
         patch = {"metadata": {"finalizers": kept, "resourceVersion": pod.metadata.resource_version}}
-        kube.core.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace, patch)
+        kube.core.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace, patch, _content_type=MERGE)
         released += 1
     say(f"released the finalizer {METERING_FINALIZER} from {released} engine pod(s)")
     return 0

@@ -26,6 +26,7 @@ from flotilla.operator.api.v1alpha1 import (
     TenantStatus,
     TokenCount,
 )
+from flotilla.operator.clients.kube import MERGE
 from flotilla.operator.clients.token_scrape import read_token_counters
 from flotilla.operator.controllers import backstop
 from flotilla.operator.controllers.indexes import MANAGED, labels_by_namespace, tenant_specs
@@ -165,7 +166,9 @@ def _patch_finalizers(rt: Runtime, body, finalizers: list[str]) -> None:
     patch = {"metadata": {"finalizers": finalizers, "resourceVersion": meta.get("resourceVersion")}}
     API_CALLS.labels(verb="patch", resource="pods").inc()
     try:
-        rt.kube.core.patch_namespaced_pod(meta.get("name"), meta.get("namespace"), patch)
+        # A JSON merge patch replaces the list; the client's default (strategic merge) would merge it,
+        # and a finalizer could never be removed.
+        rt.kube.core.patch_namespaced_pod(meta.get("name"), meta.get("namespace"), patch, _content_type=MERGE)
     except ApiException as exc:
         if exc.status not in (404, 409):
             raise
