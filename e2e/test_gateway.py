@@ -11,8 +11,6 @@ zero when idle. The cold start (request at zero replicas to its first token) is 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -25,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
+from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.contract import (
     ANNOTATION_DEMAND,
     GATEWAY_RATE_LIMITED,
@@ -36,6 +34,7 @@ from flotilla.contract import (
     engine_metrics_url,
 )
 from flotilla.gateway.cmd import key_secret
+from flotilla.gateway.local import GatewayProcess
 from flotilla.gateway.rbac import SERVICE_ACCOUNT, render
 from flotilla.operator.cmd.local import (
     OPERATOR_NS,
@@ -61,9 +60,12 @@ class Env:
         self.cluster, self.workdir = cluster, workdir
         self.tenant_a, self.tenant_b = f"gw-a-{RUN}", f"gw-b-{RUN}"
         self.ns_a, self.ns_b = f"gwa-{RUN}", f"gwb-{RUN}"
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
+        self.gateway: GatewayProcess | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.gateway is not None
+        return self.gateway.url
 
     def post(self, body: dict, key: str | None = KEY_A, path: str = "/v1/completions") -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -126,24 +128,15 @@ def env(cluster: ClusterHandle, tmp_path_factory):
         ),  # fmt: skip
     ]
     operator.start()
-    log = (workdir / "gateway.log").open("w")
+    e.gateway = GatewayProcess(gateway_kubeconfig, workdir / "gateway.log", OPERATOR_NS, master)
     try:
         cluster.apply(yaml.safe_dump_all(docs))
-        e.proc = subprocess.Popen(
-            [sys.executable, "-m", "flotilla.cli", "gateway", "run", "--kubeconfig", str(gateway_kubeconfig),
-             "--host", "127.0.0.1", "--port", str(e.port), "--keys-namespace", OPERATOR_NS,
-             "--engine-token-file", str(master), "--hold-timeout", "300"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        wait_for(lambda: _healthy(e), 60, f"the gateway's /health (log: {workdir / 'gateway.log'})")
+        e.gateway.start()
         wait_for(lambda: len(e.service("chat").get("status", {}).get("endpoints") or []) == 2, 300,
                  "two ready replicas of chat")  # fmt: skip
         yield e
     finally:
-        if e.proc is not None:
-            e.proc.terminate()
-            e.proc.wait(30)
-        log.close()
+        e.gateway.stop()
         # The autoscaler is a kopf daemon guarded by a finalizer: delete services while the operator runs.
         for ns in (e.ns_a, e.ns_b):
             cluster.kubectl("delete", "fisvc", "--all", "-n", ns, "--timeout=60s", check=False)
@@ -153,14 +146,6 @@ def env(cluster: ClusterHandle, tmp_path_factory):
         cluster.kubectl("delete", "tenant", e.tenant_a, e.tenant_b, "--wait=false", check=False)
         cluster.kubectl("delete", "secret", "-n", OPERATOR_NS, f"{e.tenant_a}-keys", f"{e.tenant_b}-keys",
                         "--ignore-not-found", check=False)  # fmt: skip
-
-
-def _healthy(e: Env) -> bool:
-    assert e.proc is not None and e.proc.poll() is None, "the gateway exited"
-    try:
-        return httpx.get(e.url + "/health", timeout=2, trust_env=False).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def test_keys_are_checked_and_another_tenants_service_is_403_without_naming_it(env: Env):

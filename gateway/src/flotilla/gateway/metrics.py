@@ -1,6 +1,6 @@
 """The gateway's own series (names from flotilla.contract), in a registry of its own: requests by tenant,
 model and code; routing decisions by reason; the predicted prefix-hit share (hit tokens over prompt tokens);
-upstream time to first byte; requests held at zero replicas and cold-start time; the gateway's added
+upstream time to first output (the series keeps its first-byte name); requests held at zero replicas and cold-start time; the gateway's added
 latency; rate-limit refusals and retries; streams cut after their first output."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class GatewayMetrics:
         self.predicted_hit_tokens = Counter(
             GATEWAY_PREDICTED_HIT_TOKENS, "prompt tokens the chosen replica was predicted to hold", registry=r
         )
-        self.upstream_ttfb = Histogram(GATEWAY_UPSTREAM_TTFB, "request sent to first upstream byte",
+        self.upstream_ttfb = Histogram(GATEWAY_UPSTREAM_TTFB, "request sent to the replica's first output (a token event, or the whole body): the commit point",
                                        [LABEL_MODEL], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.added_latency = Histogram(GATEWAY_ADDED_LATENCY, "arrival to upstream send, not counting holds",
                                        buckets=ADDED_LATENCY_BUCKETS, registry=r)  # fmt: skip
