@@ -30,10 +30,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.cluster.control_plane import up
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.processes import ProcessTable
+from flotilla.contract import GATEWAY_RETRIES, counter_total
 from flotilla.gateway.cmd import key_secret
 from flotilla.gateway.local import GatewayProcess
 from flotilla.gateway.rbac import SERVICE_ACCOUNT, render
@@ -151,12 +153,12 @@ class Stream:
         return self.tokens > 0 and (self.error is not None or not self.done)
 
 
-def _stream(fleet: Fleet, i: int, out: Stream, started: threading.Event) -> None:
+def _stream(fleet: Fleet, i: int, out: Stream, started: threading.Semaphore) -> None:
     assert fleet.gateway is not None
     body = {
         "model": "tiny",
         "prompt": f"chaos stream {i} " * 4,
-        "max_tokens": 48,
+        "max_tokens": 256,
         "ignore_eos": True,
         "stream": True,
     }
@@ -179,19 +181,23 @@ def _stream(fleet: Fleet, i: int, out: Stream, started: threading.Event) -> None
                     out.error = event["error"]
                 elif event["choices"][0].get("text"):
                     out.tokens += 1
-                    started.set()
+                    if out.tokens == 1:
+                        started.release()
     except httpx.HTTPError as exc:
         out.failure = f"{type(exc).__name__}: {exc}"
 
 
 def _under_streams(fleet: Fleet, fault: Callable[[], None], label: str) -> list[Stream]:
-    """30 streams at once; `fault` runs once a few of them have produced tokens."""
+    """30 streams at once; `fault` runs once a third of them are producing tokens (so that both replicas
+    have streams in flight, some past their first token and some before it)."""
     results = [Stream() for _ in range(STREAMS)]
-    started = threading.Event()
+    started = threading.Semaphore(0)
     threads = [threading.Thread(target=_stream, args=(fleet, i, results[i], started)) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    assert started.wait(120), "no stream produced a token"
+    for _ in range(STREAMS // 3):
+        assert started.acquire(timeout=120), "streams produced no tokens"
+    retries = _gateway_retries(fleet)
     fault()
     for t in threads:
         t.join(240)
@@ -200,11 +206,23 @@ def _under_streams(fleet: Fleet, fault: Callable[[], None], label: str) -> list[
     t0 = time.monotonic()
     wait_for(lambda: fleet.converged(2), 240, "two Ready replicas again, none Terminating")
     REPORT.append(
-        f"  {label}: {STREAMS} streams, failed before first token {before}, failed after {after} "
+        f"  {label}: {STREAMS} streams, retried before their first token {_gateway_retries(fleet) - retries:.0f}, "
+        f"failed before first token {before}, failed after {after} "
         f"(each ended with an error event and [DONE]: {all(r.error is not None for r in results if r.failed_after_first_token)}), "
         f"converged {time.monotonic() - t0:.1f}s after the last stream"
     )
     return results
+
+
+def _gateway_retries(fleet: Fleet) -> float:
+    assert fleet.gateway is not None
+    text = httpx.get(fleet.gateway.url + "/metrics", timeout=10, trust_env=False).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == counter_total(GATEWAY_RETRIES)
+    )
 
 
 def _engine_pid(fleet: Fleet, pod: dict) -> int:
