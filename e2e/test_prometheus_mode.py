@@ -121,6 +121,26 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
                 prom.url, f'sum(flotilla_time_to_first_token_seconds_count{{namespace="{namespace}"}})'
             )
             assert counted and float(counted[0]["value"][1]) >= 6
+            fallback = next(c for c in auto["conditions"] if c["type"] == "MetricsFallback")
+            assert fallback["status"] == "False" and fallback["reason"] == "Prometheus", fallback
+
+            # Prometheus goes down: the autoscaler scrapes the engines itself and says so.
+            prom.__exit__()
+
+            def falling_back() -> dict | None:
+                auto = cluster.get_json("fisvc", "chat", "-n", namespace)["status"].get("autoscaling") or {}
+                cond = next((c for c in auto.get("conditions") or [] if c["type"] == "MetricsFallback"), {})
+                return (
+                    auto
+                    if cond.get("status") == "True" and cond.get("reason") == "PrometheusUnavailable"
+                    else None
+                )
+
+            auto = wait_for(falling_back, 60, "the MetricsFallback condition once Prometheus is gone")
+            # Its signals come from the engines now: the queue depth is measured, not unknown.
+            assert auto["currentMetrics"]["queueDepthPerReplica"] is not None, auto
+            message = next(c for c in auto["conditions"] if c["type"] == "MetricsFallback")["message"]
+            assert prom.url in message and "scraped directly" in message, message
         finally:
             # The autoscaler daemon's finalizer needs a running operator to let the service go.
             cluster.kubectl("delete", "fisvc", "chat", "-n", namespace, "--timeout=60s", check=False)

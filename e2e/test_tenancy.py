@@ -444,19 +444,15 @@ def test_a_pod_that_ends_while_no_operator_runs_is_metered_to_its_end(env, clust
     meters it to that end, exactly (it once lost the whole outage)."""
     ns, tenant, name = env.ns_b, env.tenant_b, "ended"
     cluster.apply(_isvc(name, replicas=1), ns)
-    (pod,) = wait_for(
-        lambda: (
-            (
-                bound := [
-                    p for p in _bound_pods(cluster, ns, 1) or [] if p["metadata"]["name"].startswith(name)
-                ]
-            )
-            and METERING_FINALIZER in (bound[0]["metadata"].get("finalizers") or [])
-            and bound
-        ),
-        90,
-        "a bound engine pod that carries the metering finalizer",
-    )
+
+    def bound_with_finalizer() -> list[dict] | None:
+        bound = [p for p in _bound_pods(cluster, ns, 1) or [] if p["metadata"]["name"].startswith(name)]
+        held = [p for p in bound if METERING_FINALIZER in (p["metadata"].get("finalizers") or [])]
+        return held or None
+
+    held = wait_for(bound_with_finalizer, 90, "a bound engine pod that carries the metering finalizer")
+    assert held is not None
+    (pod,) = held
     uid = pod["metadata"]["uid"]
     bound_at = _scheduled(pod)
     wait_for(

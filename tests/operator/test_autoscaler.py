@@ -10,7 +10,12 @@ from prometheus_client import generate_latest
 from flotilla.engine.core.outputs import EngineStats
 from flotilla.engine.server.metrics import EngineMetrics
 from flotilla.operator.api.v1alpha1 import Autoscaling
-from flotilla.operator.autoscaling.autoscaler import ServiceAutoscaler, autoscaling_status, scraped_pods
+from flotilla.operator.autoscaling.autoscaler import (
+    ServiceAutoscaler,
+    autoscaling_status,
+    metrics_source,
+    scraped_pods,
+)
 from flotilla.operator.clients.engine_metrics import PodScraper, ScrapeError, parse_engine_metrics
 from flotilla.operator.desired.status import PodView
 from flotilla.operator.tenancy.quota import QuotaDecision
@@ -84,7 +89,14 @@ def test_steps_from_scrapes_to_status():
         "ScalingActive": ("True", "ValidMetrics"),
         "ScalingLimited": ("False", "DesiredWithinRange"),
         "QuotaLimited": ("False", "WithinQuota"),
+        "MetricsFallback": ("False", "EngineScrape"),
     }
+    down = metrics_source("http://prom:9090", "Prometheus at http://prom:9090: ConnectError: refused")
+    fell = autoscaling_status(step, previous=status, now="2030-01-01T00:00:05Z", generation=2, scaled=False,
+                              source=down)  # fmt: skip
+    (cond,) = [c for c in fell["conditions"] if c["type"] == "MetricsFallback"]
+    assert (cond["status"], cond["reason"]) == ("True", "PrometheusUnavailable")
+    assert "ConnectError" in cond["message"] and "scraped directly" in cond["message"]
 
 
 def test_quota_decision_caps_and_sets_the_condition():

@@ -22,6 +22,7 @@ from flotilla.operator.tenancy.quota import QuotaDecision
 # status.autoscaling's condition types; the quota's is named like the reason the InferenceService's own
 # Degraded condition gives (flotilla.contract.REASON_QUOTA_LIMITED).
 SCALING_ACTIVE, SCALING_LIMITED, QUOTA_LIMITED = "ScalingActive", "ScalingLimited", REASON_QUOTA_LIMITED
+METRICS_FALLBACK = "MetricsFallback"  # True while Prometheus is down and the engines are scraped instead
 
 
 def policy_for(spec: Autoscaling) -> Policy:
@@ -109,7 +110,36 @@ def _cond(type_: str, ok: bool, reason: str, message: str) -> Condition:
     return Condition(type=type_, status="True" if ok else "False", reason=reason, message=message)
 
 
-def autoscaling_status(step: Step, *, previous: dict | None, now: str, generation: int, scaled: bool) -> dict:
+@dataclass(frozen=True)
+class MetricsSource:
+    """Where this decision's signals came from, for the MetricsFallback condition."""
+
+    fallback: bool
+    reason: str
+    message: str
+
+
+def metrics_source(prometheus_url: str | None, unavailable: str | None) -> MetricsSource:
+    if unavailable is not None:
+        return MetricsSource(
+            True,
+            "PrometheusUnavailable",
+            f"{unavailable}; the engines' /metrics are scraped directly until Prometheus answers again",
+        )
+    if prometheus_url:
+        return MetricsSource(False, "Prometheus", f"signals are read from Prometheus at {prometheus_url}")
+    return MetricsSource(False, "EngineScrape", "signals are scraped from the engines' /metrics")
+
+
+def autoscaling_status(
+    step: Step,
+    *,
+    previous: dict | None,
+    now: str,
+    generation: int,
+    scaled: bool,
+    source: MetricsSource | None = None,
+) -> dict:
     """status.autoscaling as a wire dict; conditions keep their transition times while unchanged. Unset
     figures stay as nulls: in a merge patch they delete the old value instead of leaving it stale."""
     previous = previous or {}
@@ -133,8 +163,10 @@ def autoscaling_status(step: Step, *, previous: dict | None, now: str, generatio
         REASON_QUOTA_LIMITED if outcome.quota_limited else "WithinQuota",
         outcome.message if outcome.quota_limited else "the tenant's quota does not limit scaling",
     )
+    source = source or metrics_source(None, None)
+    fallback = _cond(METRICS_FALLBACK, source.fallback, source.reason, source.message)
     conditions = merge_transition_times(
-        [active, limited, quota], previous.get("conditions") or [], now, generation
+        [active, limited, quota, fallback], previous.get("conditions") or [], now, generation
     )
     status = AutoscalingStatus(
         current_metrics=step.metrics,

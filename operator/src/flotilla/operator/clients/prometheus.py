@@ -83,17 +83,31 @@ def signals_from(answers: dict[str, list[tuple[dict, float]]], ready_pods: set[s
     )
 
 
-async def collect(
+class Unavailable(Exception):
+    """Prometheus did not answer (unreachable, bad JSON, a query error); the message says which."""
+
+
+async def query(
     client, base_url: str, namespace: str, service: str, window_seconds: int, ready_pods: set[str]
 ) -> Signals:
-    """`client` is an httpx.AsyncClient. When Prometheus cannot answer, every pod counts as silent, so
-    the rule holds the replicas (it never scales down on an outage)."""
+    """`client` is an httpx.AsyncClient. Raises Unavailable when Prometheus cannot answer: the
+    autoscaler then scrapes the engines itself (controllers/autoscaling.py) and says so."""
     url = base_url.rstrip("/") + "/api/v1/query"
     named = queries(namespace, service, window_seconds)
     try:
         responses = await asyncio.gather(*(client.get(url, params={"query": q}) for q in named.values()))
         answers = {key: vector(r.json()) for key, r in zip(named, responses, strict=True)}
     except Exception as exc:  # unreachable, bad JSON, a query error
-        why = f"Prometheus at {base_url}: {type(exc).__name__}: {exc}"
-        return Signals(waiting={}, ttft_p95=None, errors=dict.fromkeys(ready_pods, why))
+        raise Unavailable(f"Prometheus at {base_url}: {type(exc).__name__}: {exc}") from exc
     return signals_from(answers, ready_pods)
+
+
+async def collect(
+    client, base_url: str, namespace: str, service: str, window_seconds: int, ready_pods: set[str]
+) -> Signals:
+    """As `query`, but when Prometheus cannot answer every pod counts as silent, so the rule holds the
+    replicas (it never scales down on an outage)."""
+    try:
+        return await query(client, base_url, namespace, service, window_seconds, ready_pods)
+    except Unavailable as exc:
+        return Signals(waiting={}, ttft_p95=None, errors=dict.fromkeys(ready_pods, str(exc)))

@@ -30,9 +30,11 @@ from flotilla.contract import ANNOTATION_DEMAND
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, VERSION, Autoscaling
 from flotilla.operator.autoscaling import metrics as autoscale_metrics
 from flotilla.operator.autoscaling.autoscaler import (
+    METRICS_FALLBACK,
     QUOTA_LIMITED,
     ServiceAutoscaler,
     autoscaling_status,
+    metrics_source,
     scraped_pods,
 )
 from flotilla.operator.autoscaling.scale_to_zero import demand_time, fresh_demand
@@ -125,12 +127,18 @@ class _Daemon:
         targets = scraped_pods(pods)
         window = autoscaling.ttft_window_seconds
         prometheus_url = self.rt.config.prometheus_url
+        live = {p.name for p in pods if not p.deleting}
+        fallback = None
         if prometheus_url:
-            signals = await prometheus_source.collect(
-                client, prometheus_url, namespace, name, window, set(targets)
-            )
+            try:
+                signals = await prometheus_source.query(
+                    client, prometheus_url, namespace, name, window, set(targets)
+                )
+            except prometheus_source.Unavailable as exc:
+                # Scaling on what the engines say beats holding still for the whole outage.
+                fallback = str(exc)
+                signals = await self.scraper.collect(client, now, window, targets, live)
         else:
-            live = {p.name for p in pods if not p.deleting}
             signals = await self.scraper.collect(client, now, window, targets, live)
         # At zero the question is one replica (a demand's); otherwise how far the service may grow.
         wanted = 1 if current == 0 else autoscaling.max_replicas
@@ -171,6 +179,13 @@ class _Daemon:
         )
         if outcome.quota_limited and not was_quota_limited:
             kopf.event(obj, type="Warning", reason=QUOTA_LIMITED, message=outcome.message[:1000])
+        was_falling_back = any(
+            c.get("type") == METRICS_FALLBACK and c.get("status") == "True"
+            for c in (self.written or {}).get("conditions") or []
+        )
+        if fallback is not None and not was_falling_back:
+            kopf.event(obj, type="Warning", reason="PrometheusUnavailable", message=fallback[:1000])
+            log.warning("%s/%s: %s; scraping the engines instead", namespace, name, fallback)
 
         status = autoscaling_status(
             step,
@@ -178,6 +193,7 @@ class _Daemon:
             now=_now(),
             generation=obj["metadata"].get("generation", 0),
             scaled=scaled,
+            source=metrics_source(prometheus_url, fallback),
         )
         await asyncio.to_thread(_patch_status, self.rt, namespace, name, status)
         self.written = status
