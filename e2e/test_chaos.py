@@ -37,8 +37,7 @@ from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.processes import ProcessTable
 from flotilla.contract import GATEWAY_RETRIES, counter_total
 from flotilla.gateway.cmd import key_secret
-from flotilla.gateway.local import GatewayProcess
-from flotilla.gateway.rbac import SERVICE_ACCOUNT, render
+from flotilla.gateway.local import GatewayProcess, service_account_token
 from flotilla.operator.cmd.local import (
     OPERATOR_NS,
     OperatorProcess,
@@ -97,7 +96,6 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
     model = tiny_model(workdir / "tiny-llama")
     f = Fleet(cluster, workdir)
     install_manifests(cluster)
-    cluster.kubectl("apply", "-f", "-", input=render(OPERATOR_NS))
     master = workdir / "engine-token"
     master.write_text(uuid.uuid4().hex)
     f.operator = OperatorProcess(
@@ -105,9 +103,7 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         workdir / "operator.log",
         ("--engine-token-file", str(master), "--metering-interval", "2"),
     )
-    token = cluster.kubectl(
-        "create", "token", SERVICE_ACCOUNT, "-n", OPERATOR_NS, "--duration=2h"
-    ).stdout.strip()
+    token = service_account_token(cluster, OPERATOR_NS)
     f.gateway_kubeconfig = kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token})
     cluster.kubectl("create", "namespace", f.ns)
     tenant = {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": f.tenant},

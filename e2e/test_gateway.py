@@ -34,8 +34,7 @@ from flotilla.contract import (
     engine_metrics_url,
 )
 from flotilla.gateway.cmd import key_secret
-from flotilla.gateway.local import GatewayProcess
-from flotilla.gateway.rbac import SERVICE_ACCOUNT, render
+from flotilla.gateway.local import GatewayProcess, service_account_token
 from flotilla.operator.cmd.local import (
     OPERATOR_NS,
     OperatorProcess,
@@ -92,14 +91,11 @@ def env(cluster: ClusterHandle, tmp_path_factory):
     model = tiny_model(workdir / "tiny-llama")
     e = Env(cluster, workdir)
     install_manifests(cluster)
-    cluster.kubectl("apply", "-f", "-", input=render(OPERATOR_NS))
     master = workdir / "engine-token"
     master.write_text(uuid.uuid4().hex)
     operator = OperatorProcess(service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
                                workdir / "operator.log", ("--engine-token-file", str(master)))  # fmt: skip
-    token = cluster.kubectl(
-        "create", "token", SERVICE_ACCOUNT, "-n", OPERATOR_NS, "--duration=2h"
-    ).stdout.strip()
+    token = service_account_token(cluster, OPERATOR_NS)
     gateway_kubeconfig = kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token})
     for ns in (e.ns_a, e.ns_b):
         cluster.kubectl("create", "namespace", ns)

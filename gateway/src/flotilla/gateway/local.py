@@ -9,7 +9,17 @@ from pathlib import Path
 
 import httpx
 
-from flotilla.cluster.handle import free_port, wait_for
+from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
+from flotilla.gateway.rbac import SERVICE_ACCOUNT, render
+
+
+def service_account_token(cluster: ClusterHandle, namespace: str) -> str:
+    """Applies the gateway's least-privilege RBAC in `namespace` and returns a token of its ServiceAccount
+    (two hours), for a gateway run on the host as the chart would run it in a pod."""
+    cluster.kubectl("apply", "-f", "-", input=render(namespace))
+    return cluster.kubectl(
+        "create", "token", SERVICE_ACCOUNT, "-n", namespace, "--duration=2h"
+    ).stdout.strip()
 
 
 class GatewayProcess:
