@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
+from flotilla.contract import FLAG_HOST, FLAG_PORT, HEALTH_PATH
 from flotilla.gateway.rbac import SERVICE_ACCOUNT, render
 
 
@@ -36,7 +37,7 @@ class GatewayProcess:
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "flotilla.cli", "gateway", "run", "--kubeconfig", str(self.kubeconfig),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--keys-namespace", self.keys_namespace,
+                 FLAG_HOST, "127.0.0.1", FLAG_PORT, str(self.port), "--keys-namespace", self.keys_namespace,
                  "--engine-token-file", str(self.engine_token_file), "--hold-timeout", "300"],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -45,7 +46,7 @@ class GatewayProcess:
     def healthy(self) -> bool:
         assert self.proc is not None and self.proc.poll() is None, f"the gateway exited; see {self.log_path}"
         try:
-            return httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200
+            return httpx.get(self.url + HEALTH_PATH, timeout=2, trust_env=False).status_code == 200
         except httpx.TransportError:
             return False
 

@@ -26,7 +26,11 @@ DESIRED_REPLICAS = Gauge(
 TTFT_P95 = Gauge(AUTOSCALER_TTFT_P95, "Time to first token p95 over the service's TTFT window", LABELS)
 QUEUE_DEPTH = Gauge(AUTOSCALER_QUEUE_DEPTH, "Waiting requests per ready replica", LABELS)
 KV_USAGE = Gauge(AUTOSCALER_KV_CACHE_USAGE, "Highest KV cache usage of the ready pods", LABELS)
-SCRAPE_FAILURES = Counter(AUTOSCALER_SCRAPE_FAILURES, "Engine pod /metrics scrapes that failed", LABELS)
+SCRAPE_FAILURES = Counter(
+    AUTOSCALER_SCRAPE_FAILURES,
+    "Reads of a pod's signals that failed (its /metrics, or Prometheus for it)",
+    LABELS,
+)
 SCALES = Counter(AUTOSCALER_SCALES, "Scale changes the autoscaler made", [*LABELS, LABEL_DIRECTION])
 
 _GAUGES = (DESIRED_REPLICAS, TTFT_P95, QUEUE_DEPTH, KV_USAGE)

@@ -135,8 +135,10 @@ class _Daemon:
                     client, prometheus_url, namespace, name, window, set(targets)
                 )
             except prometheus_source.Unavailable as exc:
-                # Scaling on what the engines say beats holding still for the whole outage.
+                # Scaling on what the engines say beats holding still for the whole outage. The failed
+                # reads still count: the operator's configured source is down, which an alert should see.
                 fallback = str(exc)
+                autoscale_metrics.SCRAPE_FAILURES.labels(namespace, name).inc(max(1, len(targets)))
                 signals = await self.scraper.collect(client, now, window, targets, live)
         else:
             signals = await self.scraper.collect(client, now, window, targets, live)
