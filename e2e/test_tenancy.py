@@ -439,9 +439,9 @@ def _finished(pod: dict) -> float | None:
 
 
 def test_a_pod_that_ends_while_no_operator_runs_is_metered_to_its_end(env, cluster):
-    """The operator is SIGKILLed; while it is down an admin scales the engine's Deployment away. The pod's
-    metering finalizer keeps it in the API with its end recorded by the node, and the next operator
-    meters it to that end, exactly (it once lost the whole outage)."""
+    """The operator is SIGKILLed; while it is down an admin deletes the engine pod (its ReplicaSet makes
+    another at once). The pod's metering finalizer keeps it in the API with its end recorded by the node,
+    and the next operator meters it to that end, exactly (it once lost the whole outage)."""
     ns, tenant, name = env.ns_b, env.tenant_b, "ended"
     cluster.apply(_isvc(name, replicas=1), ns)
 
@@ -465,7 +465,7 @@ def test_a_pod_that_ends_while_no_operator_runs_is_metered_to_its_end(env, clust
         # An outage long enough that a lost span could not hide in the tolerance.
         last = _time(cluster.get_json("tenant", tenant)["status"]["lastMeteredTime"])
         wait_for(lambda: time.time() - last >= 5, 30, "five seconds of outage since the last round")
-        cluster.kubectl("scale", "deployment", name, "-n", ns, "--replicas=0")
+        cluster.kubectl("delete", "pod", pod["metadata"]["name"], "-n", ns, "--wait=false")
         ended = wait_for(
             lambda: next(
                 (
@@ -489,7 +489,7 @@ def test_a_pod_that_ends_while_no_operator_runs_is_metered_to_its_end(env, clust
     status = wait_for(
         lambda: _status_if_metered_since(cluster, tenant, restarted), 30, "a round after release"
     )
-    # The restarted operator scaled the service back to its one replica: that pod counts too.
+    # The replacement the ReplicaSet made during the outage counts too, from its own binding.
     others = [
         p for p in _pods(cluster, ns) if p["metadata"]["name"].startswith(name) and p["spec"].get("nodeName")
     ]
