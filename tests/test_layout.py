@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flotilla import contract
+from flotilla import contract, ownership
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = [ROOT / "src", ROOT / "engine" / "src", ROOT / "operator" / "src", ROOT / "gateway" / "src"]
@@ -74,8 +74,11 @@ print(len({names!r}))
     assert int(result.stdout) == len(names) > 50
 
 
-def test_the_contract_imports_only_the_standard_library() -> None:
-    tree = ast.parse(Path(contract.__file__).read_text())
+@pytest.mark.parametrize("module", [contract, ownership], ids=["contract", "ownership"])
+def test_the_shared_rules_import_only_the_standard_library(module) -> None:
+    """The contract and the ownership rule are imported by every part, the gateway's I/O-free core
+    included: they may need nothing the parts do not all have."""
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name.split(".")[0]
         for node in ast.walk(tree)
