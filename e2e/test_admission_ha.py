@@ -276,3 +276,35 @@ def test_the_backstop_holds_the_total_across_namespaces_and_creators(chart, clus
     for ns in namespaces:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     cluster.kubectl("delete", "tenant", tenant, "--wait=false", check=False)
+
+
+def test_tenants_applied_at_once_never_share_a_namespace(chart, cluster: ClusterHandle):
+    """Six Tenants that claim one namespace (by name, or by its label) are applied at once and answered by
+    two replicas: exactly one is admitted, the others are refused naming the namespace."""
+    chart(2)
+    ns = f"ha-contest-{RUN}"
+    cluster.kubectl("create", "namespace", ns)
+    cluster.kubectl("label", "namespace", ns, f"contest={RUN}")
+    names = [f"ha-claim-{i}-{RUN}" for i in range(6)]
+
+    def tenant(i: int) -> str:
+        claim = {"namespaces": [ns]} if i % 2 else {"namespaceSelector": {"matchLabels": {"contest": RUN}}}
+        body = {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": names[i]},
+                "spec": {**claim, "gpuQuota": {"h100": 1}}}  # fmt: skip
+        return yaml.safe_dump(body)
+
+    creates = [
+        lambda i=i: cluster.kubectl("create", "-f", "-", input=tenant(i), check=False) for i in range(6)
+    ]
+    with ThreadPoolExecutor(len(creates)) as pool:
+        results = list(pool.map(lambda create: create(), creates))
+    admitted = [n for n, r in zip(names, results, strict=True) if r.returncode == 0]
+    refused = [r.stderr for r in results if r.returncode != 0]
+    stored = [n for n in names if cluster.kubectl("get", "tenant", n, check=False).returncode == 0]
+    REPORT.append(
+        f"  6 Tenants claiming one namespace at once: admitted {len(admitted)}, stored {len(stored)}"
+    )
+    assert len(admitted) == 1 and stored == admitted, (admitted, stored, refused)
+    assert all(f"namespace {ns} already belongs to tenant" in e for e in refused), refused
+    cluster.kubectl("delete", "tenant", *stored, "--wait=false", check=False)
+    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -11,7 +11,16 @@ from flotilla.operator.desired.admission import review_service
 from flotilla.operator.desired.reconcile import World, plan
 from flotilla.operator.tenancy.admission import charge, review
 from flotilla.operator.tenancy.quota import Held
-from flotilla.operator.tenancy.reservations import Reservation, Stored, charges, live, parse, serialize
+from flotilla.operator.tenancy.reservations import (
+    Reservation,
+    Stored,
+    charges,
+    claims_data,
+    live,
+    parse,
+    pending_claims,
+    serialize,
+)
 
 TENANT = TenantSpec(namespaces=["a"], gpu_quota={"h100": 4}, max_services=3)
 
@@ -182,3 +191,13 @@ def test_an_unchanged_invalid_spec_is_not_judged_again():
     verdict, _ = review_service(key=("a", "s"), new_raw=raw, old_raw=dict(raw), tenant="team-a",
                                 tenant_spec=TENANT, others=[])  # fmt: skip
     assert verdict.allowed
+
+
+def test_a_tenants_claim_counts_until_it_is_stored_or_expires():
+    spec = {"namespaces": ["shared"]}
+    data = claims_data({"first": (spec, 30.0), "old": (spec, 5.0)})
+    assert set(pending_claims(data, {}, now=10)) == {"first"}  # "old" expired
+    assert pending_claims(data, {"first": spec}, now=10) == {}  # stored as admitted: no longer pending
+    changed = pending_claims(data, {"first": {"namespaces": ["other"]}}, now=10)
+    assert changed == {"first": (spec, 30.0)}  # an update not stored yet still claims what it asked
+    assert pending_claims({"bad": "{"}, {}, now=0) == {}

@@ -21,6 +21,7 @@ from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
 from flotilla.operator.tenancy.reservations import Reservation, data_key, parse, serialize
 
 RESERVATIONS_PREFIX = "flotilla-quota-"
+CLAIMS_NAME = "flotilla-tenant-claims"  # Tenants admitted moments ago, with what they claim
 
 
 @dataclass
@@ -69,35 +70,56 @@ class QuotaLedger:
 
     def read(self, tenant: str) -> tuple[list[Reservation], str | None]:
         """The tenant's reservations and the ConfigMap's resourceVersion (None: it does not exist yet)."""
-        API_CALLS.labels(verb="get", resource="configmaps").inc()
-        try:
-            cm = self.kube.core.read_namespaced_config_map(reservations_name(tenant), self.namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return [], None
-            raise
-        return parse(tenant, cm.data), cm.metadata.resource_version
+        data, version = self._read(reservations_name(tenant))
+        return parse(tenant, data), version
 
     def write(
         self, tenant: str, tenant_uid: str, reservations: list[Reservation], resource_version: str | None
     ) -> bool:
         """Replace the tenant's reservations if nobody wrote them since `resource_version` was read; False
         when somebody did (the caller reads again and decides again)."""
-        body = {
+        # Collected with its Tenant.
+        owner = [{"apiVersion": API_VERSION, "kind": TENANT.kind, "name": tenant, "uid": tenant_uid}]
+        labels = {TENANT_LABEL: tenant, MANAGED_BY_LABEL: MANAGED_BY}
+        return self._write(
+            reservations_name(tenant),
+            serialize(reservations),
+            resource_version,
+            labels,
+            owner if tenant_uid else [],
+        )
+
+    def read_claims(self) -> tuple[dict[str, str], str | None]:
+        """Namespace claims of Tenants admitted moments ago (tenancy/reservations.py's claims)."""
+        return self._read(CLAIMS_NAME)
+
+    def write_claims(self, data: dict[str, str], resource_version: str | None) -> bool:
+        return self._write(CLAIMS_NAME, data, resource_version, {MANAGED_BY_LABEL: MANAGED_BY}, [])
+
+    def _read(self, name: str) -> tuple[dict[str, str], str | None]:
+        API_CALLS.labels(verb="get", resource="configmaps").inc()
+        try:
+            cm = self.kube.core.read_namespaced_config_map(name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return {}, None
+            raise
+        return dict(cm.data or {}), cm.metadata.resource_version
+
+    def _write(
+        self, name: str, data: dict[str, str], resource_version: str | None, labels: dict, owners: list[dict]
+    ) -> bool:
+        """A create (no version) or a replace conditional on `resource_version`; False on a conflict."""
+        body: dict = {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {
-                "name": reservations_name(tenant),
+                "name": name,
                 "namespace": self.namespace,
-                "labels": {TENANT_LABEL: tenant, MANAGED_BY_LABEL: MANAGED_BY},
-                # Collected with its Tenant.
-                "ownerReferences": [
-                    {"apiVersion": API_VERSION, "kind": TENANT.kind, "name": tenant, "uid": tenant_uid}
-                ]
-                if tenant_uid
-                else [],
+                "labels": labels,
+                "ownerReferences": owners,
             },
-            "data": serialize(reservations),
+            "data": data,
         }
         try:
             if resource_version is None:
@@ -106,7 +128,7 @@ class QuotaLedger:
             else:
                 body["metadata"]["resourceVersion"] = resource_version
                 API_CALLS.labels(verb="update", resource="configmaps").inc()
-                self.kube.core.replace_namespaced_config_map(reservations_name(tenant), self.namespace, body)
+                self.kube.core.replace_namespaced_config_map(name, self.namespace, body)
         except ApiException as exc:
             if exc.status == 409:  # Conflict (stale resourceVersion) or AlreadyExists (a concurrent create)
                 return False

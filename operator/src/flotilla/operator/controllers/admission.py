@@ -8,7 +8,8 @@ tenant, on any replicas, serialize on that write; the loser reads again and deci
 
 - InferenceServices (create, update, and the scale subresource) are judged by desired.admission: the
   reconciler's own validation, then the Tenant's quota.
-- Tenants are refused when they claim a namespace another Tenant claims.
+- Tenants are refused when they claim a namespace another Tenant claims, stored or admitted moments ago
+  (the claims ConfigMap, written the same way).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from flotilla.operator.tenancy.reservations import (
     Reservation,
     Stored,
     charges,
+    claims_data,
     live,
+    pending_claims,
 )
 from flotilla.operator.tenancy.rules import namespaces_owned, owner_of, tenant_problems
 
@@ -65,18 +68,38 @@ def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, 
 
 
 @kopf.on.validate(GROUP, VERSION, TENANT.plural, id="tenant", operations=["CREATE", "UPDATE"])
-def admit_tenant(body, name: str, memo: kopf.Memo, **_) -> None:
+def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) -> None:
+    """Refuses a Tenant that claims a namespace another claims, stored or admitted moments ago: two
+    Tenants applied at once, on any replicas, serialize on the claims ConfigMap's write."""
     ledger: QuotaLedger = memo.admission
     try:
         spec = TenantSpec.model_validate(body.get("spec") or {})
     except ValueError as exc:
         DENIALS.labels(name, INVALID_TENANT).inc()
         raise kopf.AdmissionError(f"tenant {name}: {exc}", code=422) from exc
-    world = ledger.world(services=False)
-    problems = tenant_problems(name, spec, world.tenants, world.labels)
-    if problems:
-        DENIALS.labels(name, TENANT_CONFLICT).inc()
-        raise kopf.AdmissionError("; ".join(problems), code=422)
+    for attempt in range(MAX_ATTEMPTS):
+        world = ledger.world(services=False)
+        data, version = ledger.read_claims()
+        now = time.time()
+        pending = pending_claims(data, {n: s.to_wire() for n, s in world.tenants.items()}, now)
+        in_flight = {n: TenantSpec.model_validate(raw) for n, (raw, _) in pending.items() if n != name}
+        problems = tenant_problems(name, spec, world.tenants, world.labels)
+        problems += [p for p in tenant_problems(name, spec, in_flight, world.labels) if p not in problems]
+        if problems:
+            DENIALS.labels(name, TENANT_CONFLICT).inc()
+            raise kopf.AdmissionError("; ".join(problems), code=422)
+        if dryrun:
+            return
+        claims = {**pending, name: (spec.to_wire(), now + RESERVATION_TTL_SECONDS)}
+        if ledger.write_claims(claims_data(claims), version):
+            return
+        time.sleep(random.uniform(0, 0.02 * (attempt + 1)))
+    DENIALS.labels(name, "LedgerBusy").inc()
+    raise kopf.AdmissionError(
+        f"tenant {name}: {MAX_ATTEMPTS} concurrent Tenant reviews wrote their claims before this one; "
+        "nothing was admitted, retry the request",
+        code=LEDGER_BUSY,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

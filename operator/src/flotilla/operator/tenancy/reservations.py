@@ -108,3 +108,30 @@ def charges(stored: Mapping[Key, Stored], reservations: Iterable[Reservation]) -
         if slot not in by_key_type or held.gpus > by_key_type[slot].gpus:
             by_key_type[slot] = held
     return sorted(by_key_type.values(), key=lambda h: (h.key, h.gpu_type or ""))
+
+
+# Tenants' namespace claims, the same way: a Tenant admitted moments ago may not be stored yet when another
+# Tenant claiming the same namespace is reviewed (on this replica or another), so each admitted claim is
+# written, with optimistic concurrency, to one ConfigMap that every Tenant review reads.
+Claims = dict[str, tuple[dict, float]]  # Tenant name -> (its spec as admitted, expiry)
+
+
+def pending_claims(data: Mapping[str, str] | None, stored: Mapping[str, dict], now: float) -> Claims:
+    """The claims that still count: unexpired, and not yet stored as admitted."""
+    out: Claims = {}
+    for name, text in (data or {}).items():
+        try:
+            entry = json.loads(text)
+            spec, expires = dict(entry["spec"]), float(entry["expires"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if expires > now and stored.get(name) != spec:
+            out[name] = (spec, expires)
+    return out
+
+
+def claims_data(claims: Claims) -> dict[str, str]:
+    return {
+        name: json.dumps({"spec": spec, "expires": round(expires, 3)}, sort_keys=True)
+        for name, (spec, expires) in claims.items()
+    }
