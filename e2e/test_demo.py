@@ -20,14 +20,19 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _demo(cluster: ClusterHandle) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "flotilla.cli", "demo", "--state-dir", str(cluster.config.state_dir),
+         "--timeout", "300"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def test_demo_installs_the_chart_and_ends_with_a_ready_service_answering_a_completion(cluster: ClusterHandle):
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "flotilla.cli", "demo", "--state-dir", str(cluster.config.state_dir),
-             "--timeout", "300"],
-            capture_output=True, text=True, timeout=900, cwd=ROOT,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        result = _demo(cluster)
         assert "denied the request" in result.stdout and "quota" in result.stdout, result.stdout
         assert "text: '" in result.stdout and "usage: " in result.stdout, result.stdout
         # Token metering end to end: the operator (a pod now) read the engine pod's counters into the Tenant.
@@ -49,12 +54,7 @@ def test_demo_installs_the_chart_and_ends_with_a_ready_service_answering_a_compl
 
         # `make demo` a second time on the same cluster: it once failed at its gateway step, the NodePort
         # not yet bound again.
-        again = subprocess.run(
-            [sys.executable, "-m", "flotilla.cli", "demo", "--state-dir", str(cluster.config.state_dir),
-             "--timeout", "300"],
-            capture_output=True, text=True, timeout=900, cwd=ROOT,
-        )  # fmt: skip
-        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        again = _demo(cluster)
         assert "text: '" in again.stdout, again.stdout
     finally:
         helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig, check=False)
