@@ -14,7 +14,7 @@ from flotilla.operator.api.v1alpha1 import MeteringLedger, TenantSpec, TenantSta
 from flotilla.operator.controllers import webhook_tls
 from flotilla.operator.controllers.webhook_server import missing_namespace_message
 from flotilla.operator.tenancy.rbac import MEMBER_ROLE, desired_objects
-from flotilla.operator.tenancy.rules import namespaces_of, tenant_of, tenant_problems
+from flotilla.operator.tenancy.rules import namespaces_owned, tenant_of, tenant_problems
 from flotilla.operator.tenancy.usage import WindowError, check_window, render, report
 
 NOW = dt.datetime(2026, 1, 10, tzinfo=dt.UTC)
@@ -23,7 +23,7 @@ NOW = dt.datetime(2026, 1, 10, tzinfo=dt.UTC)
 def test_namespaces_by_list_and_selector():
     a = TenantSpec(namespaces=["a1"], namespace_selector={"matchLabels": {"team": "a"}})
     labels = {"a1": {}, "a2": {"team": "a"}, "b1": {"team": "b"}}
-    assert namespaces_of(a, labels) == ["a1", "a2"]
+    assert namespaces_owned("ta", {"ta": a}, labels) == ["a1", "a2"]
     assert tenant_of("a2", {"ta": a}, labels) == "ta" and tenant_of("b1", {"ta": a}, labels) is None
 
 
@@ -132,3 +132,22 @@ def test_the_backstop_partitions_the_quota_over_the_namespaces():
         for held_a in range(4):
             limits = namespace_limits(quota, ["a", "b", "c"], {"a": held_a}, {})
             assert sum(limits.values()) == max(quota, held_a) and limits["a"] >= held_a
+
+
+def test_a_selector_expression_whose_values_do_not_fit_its_operator_is_refused_naming_them():
+    with pytest.raises(ValidationError) as exc:
+        TenantSpec.model_validate(
+            {"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": []}]}}
+        )
+    assert "matchExpressions (key team).values is empty; operator In needs at least one value" in str(
+        exc.value
+    )
+    with pytest.raises(ValidationError) as exc:
+        TenantSpec.model_validate(
+            {"namespaceSelector": {"matchExpressions": [{"key": "t", "operator": "Exists", "values": ["x"]}]}}
+        )
+    assert "values has 1 values; operator Exists takes none" in str(exc.value)
+    with pytest.raises(ValidationError):  # the schema's enum: the API server refuses it first
+        TenantSpec.model_validate(
+            {"namespaceSelector": {"matchExpressions": [{"key": "t", "operator": "Near"}]}}
+        )

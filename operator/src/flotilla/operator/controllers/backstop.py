@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import kopf
 
 from flotilla.operator.api.v1alpha1 import TenantSpec
-from flotilla.operator.clients.kube import Kube
+from flotilla.operator.clients.kube import APPLY, Kube
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.naming import FIELD_MANAGER, MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
@@ -24,7 +24,6 @@ from flotilla.operator.tenancy.rbac import object_name
 
 log = logging.getLogger("flotilla.operator.tenancy.backstop")
 
-APPLY = "application/apply-patch+yaml"
 # The reconciler's own field manager for the limit alone: the metering round's apply (FIELD_MANAGER)
 # also owns the ResourceQuota's owner reference, which this path does not know and must not remove.
 RAISE_MANAGER = f"{FIELD_MANAGER}-backstop"

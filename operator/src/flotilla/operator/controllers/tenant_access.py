@@ -11,14 +11,12 @@ import logging
 from kubernetes import client
 
 from flotilla.operator.api.v1alpha1 import TenantSpec
-from flotilla.operator.clients.kube import Kube
+from flotilla.operator.clients.kube import APPLY, Kube
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.naming import FIELD_MANAGER, TENANT_LABEL
 from flotilla.operator.tenancy import rbac as tenant_rbac
 
 log = logging.getLogger("flotilla.operator.tenancy.rules")
-
-APPLY = "application/apply-patch+yaml"
 
 
 def sync_objects(

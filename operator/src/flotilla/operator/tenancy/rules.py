@@ -30,11 +30,6 @@ def claims(spec: TenantSpec, namespace: str, labels: Mapping[str, str] | None) -
     return ownership.claims(spec.to_wire(), namespace, labels)
 
 
-def namespaces_of(spec: TenantSpec, namespaces: NamespaceLabels) -> list[str]:
-    """Every namespace the Tenant claims: those listed (existing or not) and the existing ones selected."""
-    return ownership.namespaces_claimed(spec.to_wire(), namespaces)
-
-
 def namespaces_owned(name: str, tenants: Mapping[str, TenantSpec], namespaces: NamespaceLabels) -> list[str]:
     """The namespaces the Tenant claims that no other Tenant claims too (where it holds RBAC and quota)."""
     return ownership.namespaces_owned(name, _stored(tenants), namespaces)
