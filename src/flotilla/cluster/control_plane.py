@@ -267,13 +267,14 @@ def down(state_dir: Path | None = None, purge: bool = False, log=None) -> list[s
     state_dir = state_dir or default_state_dir()
     table = ProcessTable(state_dir / "pids")
     stopped = []
-    # Reverse order: the agent first, so it stops its pods while the API is still there to hear it.
+    # Reverse order. The agent leaves its pods running (a restarted agent adopts them), so they are
+    # stopped after it, from the pid table it keeps.
     for name in (*ADDONS, *reversed(COMPONENTS)):
         if table.stop(name, grace_seconds=20 if name == "node-agent" else 10):
             stopped.append(name)
             log(f"  {name}: stopped")
     for pod in stop_all(state_dir / "pods" / "pids"):
-        log(f"  pod process {pod}: stopped (left behind by the agent)")
+        log(f"  pod process {pod}: stopped")
     if purge and state_dir.exists():
         shutil.rmtree(state_dir)
         log(f"  removed {state_dir}")

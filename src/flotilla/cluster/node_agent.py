@@ -9,6 +9,9 @@ the pod's volumes (pod_volumes: emptyDir, hostPath, claims, configMap, secret, d
 including the ServiceAccount token) mounted at their mountPaths in a mount namespace of the container's
 own (mount_ns), and runs init containers before the main ones (pod_runtime). Without mount namespaces
 (not root, no `unshare`) containers run as before, without their mounts, after one warning.
+
+Stopping the agent leaves the pods running; the next agent adopts their processes from the pid table (as a
+restarted kubelet finds its containers under the container runtime) and stops those whose pods are gone.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from pathlib import Path
 from flotilla.cluster import mount_ns
 from flotilla.cluster.kubeclient import ApiError, KubeClient
 from flotilla.cluster.node_ports import NodePortProxy, selects
-from flotilla.cluster.pod_runtime import PodRuntime, now_rfc3339
+from flotilla.cluster.pod_runtime import PodRuntime, now_rfc3339, process_names
 from flotilla.cluster.pod_status import overwritten, pod_status, simulated_status
 from flotilla.cluster.pod_volumes import PodVolumes
-from flotilla.cluster.processes import ProcessTable, stop_all
+from flotilla.cluster.processes import ProcessTable
 from flotilla.cluster.service_account import TokenSource, api_endpoint, service_account_name, service_env
 from flotilla.cluster.volume_contents import Sources, VolumeError
 
@@ -103,6 +106,8 @@ class NodeAgent:
         # Pods stopped and deleted with grace 0 that a finalizer (another's) keeps in the API for now.
         self.let_go: set[str] = set()
         self.stopping = threading.Event()
+        self.listed = threading.Event()  # the watch has listed the pods once
+        self.orphans_stopped = False
         self.services = service_env(*api_endpoint(client.server))
         self.sandbox_python: str | None = None  # set by check_sandbox when mount namespaces work
         self.node_ports = NodePortProxy(HOST_IP, self._ready_pods, log)
@@ -226,6 +231,7 @@ class NodeAgent:
                 listing = self.client.get("/api/v1/pods")
                 with self.lock:
                     self.seen = {p["metadata"]["uid"]: p for p in listing["items"] if self._mine(p)}
+                self.listed.set()
                 version = listing["metadata"]["resourceVersion"]
                 for event in self.client.watch("/api/v1/pods", version, timeout_seconds=240):
                     if self.stopping.is_set():
@@ -356,6 +362,7 @@ class NodeAgent:
 
     def sync_once(self) -> None:
         now = time.monotonic()
+        listed = self.listed.is_set()  # before the copy: `seen` then holds the whole first listing
         with self.lock:
             seen = dict(self.seen)
         for uid, pod in seen.items():
@@ -373,10 +380,13 @@ class NodeAgent:
                 continue
             runtime = self.runtimes.get(uid)
             if runtime is None:
-                if deleting:
+                # Processes a previous agent left for this pod are adopted below, even when the pod is
+                # being deleted: they must be stopped within its grace period and their end reported.
+                left = any(self.pids.get(name) for name in process_names(pod))
+                if deleting and not left:
                     self._finish_deletion(uid, pod)
                     continue
-                if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") and not left:
                     continue
                 ip = pool.take((pod.get("status") or {}).get("podIP"))
                 runtime = PodRuntime(
@@ -393,7 +403,9 @@ class NodeAgent:
                     services=self.services,
                 )
                 self.runtimes[uid] = runtime
-                log(f"pod {meta['namespace']}/{meta['name']} on {spec['nodeName']} at {ip}")
+                adopted = runtime.adopt(now)
+                taken = f" (adopted running containers: {', '.join(adopted)})" if adopted else ""
+                log(f"pod {meta['namespace']}/{meta['name']} on {spec['nodeName']} at {ip}{taken}")
             runtime.pod = pod
             if deleting:
                 grace = meta.get("deletionGracePeriodSeconds", spec.get("terminationGracePeriodSeconds", 30))
@@ -415,6 +427,18 @@ class NodeAgent:
         for uid in set(self.simulated) - set(seen):
             self.simulated.pop(uid, None)
         self.let_go &= set(seen)
+        if not self.orphans_stopped and listed:
+            self._stop_orphans()
+
+    def _stop_orphans(self) -> None:
+        """Once the first pod listing has been handled: processes a previous agent left for pods that are
+        no longer in the API (deleted while no agent ran) are stopped; every other one was adopted."""
+        self.orphans_stopped = True
+        claimed = {name for runtime in self.runtimes.values() for name in process_names(runtime.pod)}
+        orphans = [name for name in self.pids.names() if name not in claimed]
+        for name in orphans:
+            if self.pids.stop(name, grace_seconds=5.0):
+                log(f"stopped pod process {name}: its pod is gone from the API")
 
     def _ready_pods(self, namespace: str, selector: dict[str, str]) -> list[tuple[dict, str]]:
         """The pods a NodePort forwards to: Ready, not terminating, selected by the Service."""
@@ -442,9 +466,6 @@ class NodeAgent:
             self.stopping.wait(1.0)
 
     def run(self) -> None:
-        stopped = stop_all(self.pids.folder)
-        if stopped:
-            log(f"stopped {len(stopped)} pod processes left by a previous agent")
         if not self.simulate:
             self.check_sandbox()
         self.register_nodes()
@@ -467,18 +488,10 @@ class NodeAgent:
         self.shutdown()
 
     def shutdown(self) -> None:
-        log("node agent stopping: terminating pod processes")
+        """Stops the agent and leaves the pods running, as a kubelet leaves its containers to the runtime:
+        the next agent adopts them. `flotilla cluster down` stops the pods after the agent."""
+        log(f"node agent stopping; {len(self.runtimes)} pods keep running for the next agent to adopt")
         self.node_ports.close()
-        now = time.monotonic()
-        for runtime in self.runtimes.values():
-            runtime.begin_termination(5.0, now)
-        deadline = time.monotonic() + 6.0
-        while time.monotonic() < deadline and not all(
-            r.termination_done(time.monotonic()) for r in self.runtimes.values()
-        ):
-            time.sleep(0.1)
-        for runtime in self.runtimes.values():
-            runtime.kill_now()
         self.probe_pool.shutdown(wait=False, cancel_futures=True)
 
 

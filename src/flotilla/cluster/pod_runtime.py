@@ -24,15 +24,31 @@ from flotilla.cluster.mount_ns import wrap_argv
 from flotilla.cluster.pod_env import EnvError, base_env, container_argv, container_env
 from flotilla.cluster.pod_volumes import PodVolumes
 from flotilla.cluster.probes import ProbeTracker, run_probe
-from flotilla.cluster.processes import ProcessTable, signal_group
+from flotilla.cluster.processes import Adopted, ProcessTable, signal_group
 from flotilla.cluster.volume_contents import VolumeError
 
 # Where this interpreter's entry points (`flotilla`, `python`) live; pods find them first on PATH.
 SCRIPTS_DIR = sysconfig.get_path("scripts")
 
 
+PROBES = ("startup", "liveness", "readiness")
+
+
 def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod_key(pod: dict) -> str:
+    """The prefix of a pod's process names in the pid table: `{namespace}_{name}_{uid[:8]}`."""
+    meta = pod["metadata"]
+    return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+
+
+def process_names(pod: dict) -> list[str]:
+    """The pid-table names of every container the pod declares (init containers first)."""
+    spec = pod["spec"]
+    containers = [*(spec.get("initContainers") or []), *spec["containers"]]
+    return [f"{pod_key(pod)}_{c['name']}" for c in containers]
 
 
 @dataclass
@@ -40,7 +56,8 @@ class ContainerRun:
     spec: dict
     init: bool = False  # an init container (sidecars too)
     restart_count: int = 0
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | Adopted | None = None
+    adopted: bool = False  # the running process was started by a previous agent (its exit status is lost)
     started_at: str | None = None
     started_mono: float = 0.0
     last_terminated: dict | None = None  # the previous run's terminated state
@@ -138,8 +155,7 @@ class PodRuntime:
 
     @property
     def key(self) -> str:
-        meta = self.pod["metadata"]
-        return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+        return pod_key(self.pod)
 
     def _pid_name(self, run: ContainerRun) -> str:
         return f"{self.key}_{run.name}"
@@ -149,6 +165,54 @@ class PodRuntime:
         return self.pod["spec"].get("restartPolicy", "Always")
 
     # -- lifecycle -------------------------------------------------------------------------------
+
+    def adopt(self, now: float) -> list[str]:
+        """Takes over the processes a previous node agent started for this pod, as a restarted kubelet
+        finds its containers still running: the pid table is this node's container runtime. Each adopted
+        container keeps its pid, start time, restart count and last verdicts of its startup and readiness
+        probes from the pod's reported status, so the pod neither restarts nor flaps its readiness; a
+        process that ended while no agent watched it is seen as ended on the next tick (exit status
+        unknown) and restarted as its restartPolicy says. Returns the containers taken over."""
+        status = self.pod.get("status") or {}
+        reported = {
+            s["name"]: s
+            for s in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+        }
+        adopted = []
+        for run in self.all_runs:
+            record = self.pids.get(self._pid_name(run))
+            if record is None:
+                continue
+            seen = reported.get(run.name) or {}
+            run.proc, run.adopted = Adopted(record), True
+            run.restart_count = int(seen.get("restartCount") or 0)
+            run.started_at = ((seen.get("state") or {}).get("running") or {}).get(
+                "startedAt"
+            ) or now_rfc3339()
+            run.started_mono = now
+            run.last_terminated = (seen.get("lastState") or {}).get("terminated")
+            run.waiting_reason, run.waiting_message = "", ""
+            for kind in PROBES:
+                probe = run.spec.get(f"{kind}Probe")
+                if not probe:
+                    continue
+                # Its initial delay passed under the previous agent: probe on the usual period from now.
+                tracker = ProbeTracker(probe, started_at=now - float(probe.get("initialDelaySeconds", 0)))
+                if (kind == "startup" and seen.get("started")) or (kind == "readiness" and seen.get("ready")):
+                    tracker.result = True
+                setattr(run, kind, tracker)
+            adopted.append(run.name)
+        if adopted:
+            self.start_time = status.get("startTime") or self.start_time
+        if any(run.adopted for run in self.containers):
+            # Main containers run only after every init container did its part.
+            self.initialized = True
+            for run in self.init_containers:
+                run.done = run.done or not run.sidecar
+            for run in self.containers:
+                if run.waiting_reason == "PodInitializing":
+                    run.waiting_reason = "ContainerCreating"
+        return adopted
 
     def _start(self, run: ContainerRun, now: float) -> None:
         try:
@@ -185,7 +249,8 @@ class PodRuntime:
             return
         run.started_at, run.started_mono = now_rfc3339(), now
         run.terminated, run.waiting_reason, run.waiting_message, run.killed_by_probe = None, "", "", ""
-        for kind in ("startup", "liveness", "readiness"):
+        run.adopted = False
+        for kind in PROBES:
             probe = run.spec.get(f"{kind}Probe")
             setattr(run, kind, ProbeTracker(probe, started_at=now) if probe else None)
 
@@ -208,6 +273,13 @@ class PodRuntime:
         }
         if run.killed_by_probe:
             run.terminated["message"] = run.killed_by_probe
+        if run.adopted:
+            # The kubelet's word for a container whose end it saw but whose exit status it cannot read.
+            run.terminated["reason"] = "ContainerStatusUnknown"
+            run.terminated["message"] = (
+                "the process was started by a previous node agent, so its exit status could not be read"
+            )
+            run.adopted = False
         if run.sidecar:
             restart = True
         elif run.init:

@@ -42,6 +42,25 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+class Adopted:
+    """A process that a previous node agent started and this one took over (as a kubelet restarted finds
+    its containers still running under the container runtime). Whether it lives is read from /proc; its
+    exit status is lost, since only a parent can read it, so `returncode` reads as a SIGKILL once it has
+    gone and `status_known` says so."""
+
+    status_known = False
+
+    def __init__(self, record: Recorded):
+        self.record = record
+        self.pid = record.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self.record.alive():
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+
 class ProcessTable:
     """pid records in a folder: one JSON file per process name."""
 

@@ -80,10 +80,17 @@ class OperatorProcess:
         return [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(self.kubeconfig),
                 "--metrics-port", str(self.metrics_port), *self.extra_args]  # fmt: skip
 
-    def start(self, table: ProcessTable | None = None, timeout: float = 60) -> None:
+    def start(
+        self,
+        table: ProcessTable | None = None,
+        timeout: float = 60,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
         """With a table, the operator gets its own session and a pid record, so it outlives the caller
-        and `flotilla cluster down` stops it."""
-        env = dict(os.environ)
+        and `flotilla cluster down` stops it. `env`: variables added to this process's (a chaos test's
+        failpoint); `wait=False` returns without waiting for /healthz (an operator meant to die early)."""
+        env = {**os.environ, **(env or {})}
         if table is not None:
             self.proc = table.start("operator", self.argv(), self.log_path, env=env, cwd=self.log_path.parent)
         else:
@@ -91,6 +98,8 @@ class OperatorProcess:
                 self.proc = subprocess.Popen(
                     self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.log_path.parent
                 )
+        if not wait:
+            return
         try:
             wait_for(
                 lambda: self.get("/healthz")[0] == 200,

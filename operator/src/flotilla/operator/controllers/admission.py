@@ -22,6 +22,7 @@ import kopf
 
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
 from flotilla.operator.clients.quota_ledger import QuotaLedger, World
+from flotilla.operator.controllers import failpoints
 from flotilla.operator.controllers.indexes import ISVC
 from flotilla.operator.desired.admission import charged, review_service
 from flotilla.operator.metrics import API_CALLS, DENIALS, INVALID_TENANT, TENANT_CONFLICT
@@ -142,6 +143,7 @@ def _admit(
         mine = Reservation(held, uid, now + RESERVATION_TTL_SECONDS)
         updated = [r for r in reservations if r.key != key] + [mine]
         if ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version):
+            failpoints.reached("admission.reserved")
             return
         # Another review of this tenant wrote first: decide again on what it reserved. A little jitter
         # keeps a burst of reviews from colliding round after round.

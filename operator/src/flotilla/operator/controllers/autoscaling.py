@@ -40,6 +40,7 @@ from flotilla.operator.autoscaling.autoscaler import (
 from flotilla.operator.autoscaling.scale_to_zero import demand_time, fresh_demand
 from flotilla.operator.clients import prometheus as prometheus_source
 from flotilla.operator.clients.engine_metrics import PodScraper
+from flotilla.operator.controllers import failpoints
 from flotilla.operator.controllers.indexes import ISVC, index_one, labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired.status import pod_view
@@ -168,6 +169,7 @@ class _Daemon:
         scaled = outcome.desired != current
         if scaled:
             await asyncio.to_thread(_patch_scale, self.rt, namespace, name, outcome.desired)
+            failpoints.reached("autoscaling.scaled")
             direction = "up" if outcome.desired > current else "down"
             autoscale_metrics.SCALES.labels(namespace, name, direction).inc()
             kopf.event(

@@ -28,7 +28,7 @@ from flotilla.operator.api.v1alpha1 import (
 )
 from flotilla.operator.clients.kube import MERGE
 from flotilla.operator.clients.token_scrape import read_token_counters
-from flotilla.operator.controllers import backstop
+from flotilla.operator.controllers import backstop, failpoints
 from flotilla.operator.controllers.indexes import MANAGED, labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import MeteringState, Runtime
 from flotilla.operator.controllers.tenant_access import sync_objects
@@ -261,8 +261,10 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
         "spec": obj.get("spec") or {},
         "status": new_status.to_wire(),
     }
+    failpoints.reached("metering.counted")
     API_CALLS.labels(verb="update", resource="tenants/status").inc()
     custom.replace_cluster_custom_object_status(GROUP, VERSION, TENANT.plural, name, body)
+    failpoints.reached("metering.written")
     with state.lock:
         for uid, span in ended.items():
             if state.ended.get(uid) is span:

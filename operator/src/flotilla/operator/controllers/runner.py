@@ -35,9 +35,15 @@ def run_operator(
     import kopf
 
     from flotilla.operator.clients.kube import Kube
+    from flotilla.operator.controllers import failpoints
     from flotilla.operator.controllers.state import Runtime, new_memo
     from flotilla.operator.manifests.rbac import PEERING
 
+    failpoint = failpoints.armed()  # an unknown name refuses the start
+    if failpoint:
+        log.warning(
+            "armed with failpoint %s: the operator dies when %s", failpoint, failpoints.POINTS[failpoint]
+        )
     if kubeconfig is not None:
         # kopf's own login reads $KUBECONFIG; the handlers' client gets the same file explicitly.
         os.environ["KUBECONFIG"] = str(kubeconfig)

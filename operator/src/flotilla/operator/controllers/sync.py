@@ -14,7 +14,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from flotilla.operator.clients.kube import api_error_message
-from flotilla.operator.controllers import backstop
+from flotilla.operator.controllers import backstop, failpoints
 from flotilla.operator.controllers.indexes import index_one, labels_by_namespace, tenant_specs
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired.drift import drifted
@@ -173,6 +173,8 @@ def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[di
             if exc.status == 404 or going_away(exc):
                 raise
             refused[child["kind"]] = f"{child['kind']} {key[1]}: {api_error_message(exc)}"
+    if apply and obj["metadata"].get("generation") != (obj.get("status") or {}).get("observedGeneration"):
+        failpoints.reached("reconcile.applied")  # a spec change carried out, not yet recorded
     failures = list(refused.values()) if result.children else []
     status, events = result.status, list(result.events)
     if failures:
