@@ -41,7 +41,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.cluster.control_plane import up
-from flotilla.cluster.handle import ClusterHandle, wait_for
+from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.kubeclient import KubeClient
 from flotilla.cluster.processes import ProcessTable
 from flotilla.contract import GATEWAY_RETRIES, counter_total
@@ -57,8 +57,10 @@ from flotilla.operator.cmd.local import (
     tiny_model,
 )
 from flotilla.operator.controllers.failpoints import ENV as FAILPOINT_ENV
+from flotilla.operator.controllers.webhook_tls import SECRET_NAME as WEBHOOK_TLS_SECRET
 from flotilla.operator.naming import METERING_FINALIZER
 from flotilla.operator.tenancy.metering import pod_gpus
+from flotilla.operator.tenancy.settings import TenancySettings
 
 pytestmark = pytest.mark.cluster
 
@@ -215,10 +217,11 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
     install_manifests(cluster)
     master = workdir / "engine-token"
     master.write_text(uuid.uuid4().hex)
+    # With its admission webhook (failurePolicy Fail: down with the operator), as a platform runs it.
     f.operator = OperatorProcess(
         service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
         workdir / "operator.log",
-        ("--engine-token-file", str(master), "--metering-interval", "2"),
+        ("--engine-token-file", str(master), "--metering-interval", "2", "--webhook-port", str(free_port())),
     )
     token = service_account_token(cluster, OPERATOR_NS)
     f.gateway_kubeconfig = kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token})
@@ -234,7 +237,14 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
     f.witness = PodWitness(cluster, f.ns)
     f.gateway = GatewayProcess(f.gateway_kubeconfig, workdir / "gateway.log", OPERATOR_NS, master)
     try:
-        cluster.apply(yaml.safe_dump_all(docs))
+        wait_for(
+            lambda: (
+                cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs), check=False).returncode
+                == 0
+            ),
+            60,
+            "the fleet's objects admitted by the operator's webhook",
+        )
         f.gateway.start()
         wait_for(lambda: f.converged(2), 300, "two ready replicas of chat")
         yield f
@@ -244,6 +254,13 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         f.gateway.stop()
         cluster.kubectl("delete", "fisvc", "--all", "-n", f.ns, "--timeout=60s", check=False)
         f.operator.stop()
+        # The webhook and its TLS Secret go with this host-process operator (a chart installed later makes
+        # its own).
+        cluster.kubectl("delete", "validatingwebhookconfiguration", TenancySettings().webhook_configuration,
+                        "--ignore-not-found", check=False)  # fmt: skip
+        cluster.kubectl(
+            "delete", "secret", WEBHOOK_TLS_SECRET, "-n", OPERATOR_NS, "--ignore-not-found", check=False
+        )
         cluster.kubectl("delete", "namespace", f.ns, "--wait=false", check=False)
         cluster.kubectl("delete", "tenant", f.tenant, "--wait=false", check=False)
         cluster.kubectl(
@@ -551,29 +568,48 @@ def test_the_operator_killed_after_a_scale_up_carries_it_out_when_back(fleet: Fl
 
 
 def _killed_at(
-    fleet: Fleet, point: str, trigger: Callable[[], None] = lambda: None, wait: bool = True
+    fleet: Fleet, point: str, trigger: Callable[[], object] = lambda: None, wait: bool = True
 ) -> str:
     """Replaces the operator with one armed with the failpoint `point`, runs `trigger`, and waits for it to
-    die there (SIGKILL); then starts a plain operator again. `wait`: whether the armed operator must answer
-    /healthz first (it serves the webhook a trigger may need). Returns the failpoint's log line."""
+    die there (SIGKILL); then starts a plain operator again, whatever happened. `wait`: whether the armed
+    operator must answer /healthz first (it serves the webhook a trigger may need). Returns the
+    failpoint's log line."""
     op = fleet.operator
     assert op is not None
     before = op.log_path.read_text().count(f"failpoint {point} reached")
     op.stop()
     op.start(env={FAILPOINT_ENV: point}, wait=wait)
     try:
-        trigger()
+        if wait:
+            _webhook_answers(fleet)
+        triggered = trigger()
         wait_for(
-            lambda: op.proc is not None and op.proc.poll() is not None, 120, f"the operator to die at {point}"
+            lambda: op.proc is not None and op.proc.poll() is not None,
+            120,
+            f"the operator to die at {point} (the trigger gave {triggered!r})",
         )
+        assert op.proc is not None and op.proc.returncode == -signal.SIGKILL, op.proc.returncode
+        lines = [
+            line for line in op.log_path.read_text().splitlines() if f"failpoint {point} reached" in line
+        ]
+        assert len(lines) == before + 1, f"the operator died elsewhere than at {point}"
     finally:
-        if op.proc is not None and op.proc.poll() is None:
-            op.stop()
-    assert op.proc is not None and op.proc.returncode == -signal.SIGKILL, op.proc.returncode
-    lines = [line for line in op.log_path.read_text().splitlines() if f"failpoint {point} reached" in line]
-    assert len(lines) == before + 1, f"the operator died elsewhere than at {point}"
-    op.start()
+        op.stop()
+        op.start()
+        _webhook_answers(fleet)
     return lines[-1]
+
+
+def _webhook_answers(fleet: Fleet) -> None:
+    """Waits until the operator's webhook reviews again: a server-side dry run of a change to chat."""
+    patch = json.dumps({"metadata": {"labels": {"chaos-probe": "1"}}})
+    wait_for(
+        lambda: fleet.cluster.kubectl(
+            "patch", "fisvc", "chat", "-n", fleet.ns, "--type=merge", "-p", patch, "--dry-run=server", check=False
+        ).returncode == 0,
+        60,
+        "the operator's webhook to answer",
+    )  # fmt: skip
 
 
 def test_the_operator_killed_in_a_metering_round_meters_exactly_and_releases_the_pod(fleet: Fleet):
@@ -631,22 +667,23 @@ def test_the_operator_killed_after_reserving_quota_refuses_the_request_and_the_r
     within its time to live, so a request that fits is admitted again."""
     absent = tmp_path / "absent-model"  # its pods never load anything: the quota is what is under test
 
-    def create(name: str) -> subprocess.CompletedProcess:
-        body = inference_service(name, absent, fleet.ns, replicas=2)
+    def create(name: str, replicas: int) -> subprocess.CompletedProcess:
+        body = inference_service(name, absent, fleet.ns, replicas=replicas)
         return fleet.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body), check=False)
 
     outcome: list[subprocess.CompletedProcess] = []
-    _killed_at(fleet, "admission.reserved", lambda: outcome.append(create("lost")))
+    _killed_at(fleet, "admission.reserved", lambda: outcome.append(create("lost", 1)) or outcome[0])
     assert outcome[0].returncode != 0, outcome[0].stdout
     assert fleet.cluster.kubectl("get", "fisvc", "lost", "-n", fleet.ns, check=False).returncode != 0
     held = json.dumps(_reservations(fleet))
     assert "lost" in held, held
-    # chat holds 2 of 4 GPUs and the orphan 2 more: a second service of 2 is refused until it lapses.
+    # chat holds 2 of 4 GPUs (a reservation from an earlier raise may still hold 3) and the orphan 1
+    # more: a service of 2 is refused until they lapse.
     t0 = time.monotonic()
     refusals: list[str] = []
 
     def admitted() -> bool:
-        done = create("found")
+        done = create("found", 2)
         if done.returncode != 0:
             refusals.append(done.stderr)
         return done.returncode == 0

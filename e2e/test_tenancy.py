@@ -161,6 +161,10 @@ def env(cluster: ClusterHandle, tmp_path_factory):
     finally:
         operator.stop()
         cluster.kubectl("delete", "validatingwebhookconfiguration", WEBHOOK_CONFIG, "--ignore-not-found")
+        # Its TLS Secret too: a chart installed by a later module makes its own.
+        cluster.kubectl(
+            "delete", "secret", "flotilla-webhook-tls", "-n", OPERATOR_NS, "--ignore-not-found", check=False
+        )
         for ns in (e.ns_a, e.ns_b):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.kubectl(
