@@ -135,7 +135,7 @@ def _crds(args: argparse.Namespace) -> int:
 
 
 def _chart(args: argparse.Namespace) -> int:
-    from flotilla.operator.controllers.admission import webhook_definitions
+    from flotilla.operator.controllers.webhook_reviews import webhook_definitions
     from flotilla.operator.manifests.chart import files, write
 
     if args.check:

@@ -51,7 +51,7 @@ def run_operator(
     tenancy = tenancy or TenancySettings()
     if tenancy.webhook_port:
         # kopf needs a server for the validating handlers; importing them registers both.
-        from flotilla.operator.controllers import admission, webhook_server  # noqa: F401
+        from flotilla.operator.controllers import webhook_reviews, webhook_server  # noqa: F401
 
         webhook_server.require_namespace(kube, tenancy.namespace)  # before kopf: one line, not a retry loop
 

@@ -1,8 +1,8 @@
 """Quota: what each service holds of its tenant's GPU quota, the arithmetic on it, and the reconciler's
 rule for how many replicas a quota admits. Pure, apart from the ledger's lock.
 
-The one place quota is counted. The reconciler (`decide`) and the admission webhook (admission.review)
-both ask it; they differ only in what a service is charged (see admission.py) and where their ledger
+The one place quota is counted. The reconciler (`decide`) and the admission webhook (quota_review.review)
+both ask it; they differ only in what a service is charged (see quota_review.py) and where their ledger
 lives (the reconciler's in memory, the webhook's in the API: reservations.py).
 A service is charged replicas x gpus of its GPU type. Quota never removes running pods: when a quota
 drops below use, the service keeps what it has and only scale-up is refused.

@@ -1,5 +1,6 @@
-"""Admission of InferenceServices against their Tenant's quota: what a service is charged, and whether
-its tenant may hold that. Pure. The counting (what is held, what is in use, what fits) is quota.py's.
+"""The admission webhook's quota review of an InferenceService: what a service is charged, and whether
+its tenant may hold that (`review`). Pure; the webhook (controllers/webhook_reviews.py) asks it after the
+spec's own validation. The counting (what is held, what is in use, what fits) is quota.py's.
 
 What a service is charged at admission (`charge`):
 - a fixed service: replicas x gpus;
