@@ -8,7 +8,7 @@ What a service is charged at admission (`charge`):
   while applying. Charging minReplicas would admit services whose autoscalers then compete for the
   same GPUs at runtime, and the loser's latency target silently breaks exactly when load is high
   (the problem LLMKube #1338 shows). Charging the maximum means every admitted service can always
-  reach its maxReplicas; the runtime clamp (quota.decide) stays as the backstop for quotas lowered later.
+  reach its maxReplicas; the runtime clamp (quota.granted_replicas) stays as the backstop for quotas lowered later.
 
 Updates that do not raise a service's charge are always admitted, so a lowered quota never blocks
 edits, the operator's own annotation writes, or scaling down.
