@@ -227,7 +227,7 @@ def test_each_reconcile_exports_the_service_figures_it_wrote():
     rt = SimpleNamespace(
         refused={},
         written_status={},
-        kube=SimpleNamespace(patch_status=lambda ns, name, status: patched.append((ns, name))),
+        kube=SimpleNamespace(patch_service_status=lambda ns, name, status: patched.append((ns, name))),
         lock=threading.Lock(),
     )
     status = {"desiredReplicas": 2, "readyReplicas": 1, "conditions": [{"type": "Ready", "status": "False"}]}

@@ -92,13 +92,6 @@ def _patch_scale(rt: Runtime, namespace: str, name: str, replicas: int) -> None:
     )
 
 
-def _patch_status(rt: Runtime, namespace: str, name: str, autoscaling: dict) -> None:
-    API_CALLS.labels(verb="patch", resource="inferenceservices/status").inc()
-    rt.kube.custom.patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, INFERENCE_SERVICE.plural, name, {"status": {"autoscaling": autoscaling}}
-    )
-
-
 class _Daemon:
     """The state one service's daemon keeps between decisions."""
 
@@ -199,7 +192,8 @@ class _Daemon:
             scaled=scaled,
             source=metrics_source(prometheus_url, fallback),
         )
-        await asyncio.to_thread(_patch_status, self.rt, namespace, name, status)
+        # Only status.autoscaling: the reconciler owns the rest of status (clients.kube.patch_service_status).
+        await asyncio.to_thread(self.rt.kube.patch_service_status, namespace, name, {"autoscaling": status})
         self.written = status
         m = step.metrics
         autoscale_metrics.record(

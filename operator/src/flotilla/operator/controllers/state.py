@@ -34,7 +34,7 @@ class Runtime:
     # The last status we wrote, which may be newer than the index.
     written_status: dict[Key, dict] = field(default_factory=dict)
     refused: dict[Key, dict[str, str]] = field(default_factory=dict)  # kind -> why the API refused it
-    key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one plan-and-apply at a time per service
+    key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one plan at a time per service
     gpu_types: frozenset[str] = frozenset()
     namespace_labels: dict[str, dict] = field(default_factory=dict)  # as last seen, to spot label changes
     tenant_weights: dict[str, float] = field(default_factory=dict)  # schedulingWeight as last seen

@@ -214,7 +214,7 @@ def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[di
             events.append(Event("Warning", "ApplyFailed", status["message"]))
     current = rt.written_status.get(key, obj.get("status"))
     if status_changed(current, status):
-        rt.kube.patch_status(key[0], key[1], status)
+        rt.kube.patch_service_status(key[0], key[1], status)
         rt.written_status[key] = status
     SERVICES.update(key[0], key[1], service_figures(obj.get("spec") or {}, status))
     for event in events:
