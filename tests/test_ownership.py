@@ -20,7 +20,7 @@ from flotilla.gateway.kube import Kube as GatewayKube
 from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.clients.quota_ledger import World as AdmissionWorld
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.controllers.admission import _stored
+from flotilla.operator.controllers.webhook_reviews import _stored
 from flotilla.operator.desired.reconcile import World, plan
 from flotilla.operator.naming import NO_TENANT
 from flotilla.operator.tenancy.rules import namespaces_owned, tenant_of

@@ -18,7 +18,7 @@ from flotilla import contract
 from flotilla.cli import build_parser
 from flotilla.cluster.helm import helm
 from flotilla.monitoring.rules.rendering import rule_groups
-from flotilla.operator.controllers.admission import webhook_definitions
+from flotilla.operator.controllers.webhook_reviews import webhook_definitions
 from flotilla.operator.manifests.chart import CHART_DIR, KEEP, files
 from flotilla.operator.manifests.crds import crd_files
 from flotilla.operator.manifests.rbac import cluster_rules

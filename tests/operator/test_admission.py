@@ -7,10 +7,10 @@ import threading
 
 from flotilla.operator.api.v1alpha1 import InferenceServiceSpec, TenantSpec
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.desired.admission import review_service
+from flotilla.operator.controllers.webhook_reviews import review_service
 from flotilla.operator.desired.reconcile import World, plan
-from flotilla.operator.tenancy.admission import charge, review
 from flotilla.operator.tenancy.quota import Held
+from flotilla.operator.tenancy.quota_review import charge, review
 from flotilla.operator.tenancy.reservations import (
     Reservation,
     Stored,

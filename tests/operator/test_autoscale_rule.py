@@ -10,8 +10,8 @@ from flotilla.operator.autoscaling.rule import (
     PodSample,
     Policy,
     Recommendation,
-    decide,
     queue_proposal,
+    scale_target,
     stabilize,
     ttft_proposal,
 )
@@ -107,64 +107,64 @@ def test_ttft_high_while_new_pods_start_does_not_go_below_current():
     assert ttft_proposal(0.8, target=0.5, ready=1, current=3, complete=True, tolerance=0.1) == 3
 
 
-# ---- decide: combining, windows, limits ---------------------------------------------------------
+# ---- scale_target: combining, windows, limits ---------------------------------------------------------
 
 
 def test_takes_the_larger_signal():
-    out = decide(inputs(2, pods(4, 4), ttft=1.5))  # queue on target (2), ttft 3x -> 6
+    out = scale_target(inputs(2, pods(4, 4), ttft=1.5))  # queue on target (2), ttft 3x -> 6
     assert out.proposals == {QUEUE: 2, TTFT: 6}
     assert (out.desired, out.reason) == (6, "ScaleUp")
     assert "ttft p95 1.500s" in out.message and "2 -> 6 replicas" in out.message
 
 
 def test_no_metrics_at_all_holds_even_above_min():
-    out = decide(inputs(5, pods(None, None, None, None, None)))
+    out = scale_target(inputs(5, pods(None, None, None, None, None)))
     assert (out.desired, out.reason, out.recommendation) == (5, "NoMetrics", None)
     assert not out.active
 
 
 def test_no_metrics_still_keeps_the_bounds():
-    out = decide(inputs(12, pods(None), max_replicas=10))
+    out = scale_target(inputs(12, pods(None), max_replicas=10))
     assert (out.desired, out.limited_by) == (10, "MaxReplicas")
 
 
 def test_a_failed_scrape_never_drops_to_min():
     # Two pods idle, two silent: the silent ones count as on target, so at most a partial scale-down.
-    out = decide(inputs(4, pods(0, 0, None, None), scale_down_window=0))
+    out = scale_target(inputs(4, pods(0, 0, None, None), scale_down_window=0))
     assert out.desired == 2
-    out = decide(inputs(4, pods(0, None, None, None), scale_down_window=0))
+    out = scale_target(inputs(4, pods(0, None, None, None), scale_down_window=0))
     assert out.desired == 3
 
 
 def test_scale_up_step_limit_is_double_or_plus_four():
-    out = decide(inputs(1, pods(100), max_replicas=100))
+    out = scale_target(inputs(1, pods(100), max_replicas=100))
     assert (out.recommendation, out.desired, out.limited_by) == (25, 5, "ScaleUpLimit")  # 1 + 4
-    out = decide(inputs(10, pods(*[40] * 10), max_replicas=1000))
+    out = scale_target(inputs(10, pods(*[40] * 10), max_replicas=1000))
     assert (out.desired, out.limited_by) == (20, "ScaleUpLimit")  # 2 x 10
 
 
 def test_bounds_clamp():
-    assert decide(inputs(3, pods(40, 40, 40), max_replicas=4)).desired == 4
-    out = decide(inputs(3, pods(0, 0, 0), min_replicas=2, scale_down_window=0))
+    assert scale_target(inputs(3, pods(40, 40, 40), max_replicas=4)).desired == 4
+    out = scale_target(inputs(3, pods(0, 0, 0), min_replicas=2, scale_down_window=0))
     assert (out.desired, out.limited_by) == (2, "MinReplicas")
 
 
 def test_scale_down_keeps_the_highest_recommendation_in_the_window():
     history = (Recommendation(800.0, 5), Recommendation(950.0, 4))
-    out = decide(inputs(5, pods(0, 0, 0, 0, 0), history=history, now=1000.0, scale_down_window=300))
+    out = scale_target(inputs(5, pods(0, 0, 0, 0, 0), history=history, now=1000.0, scale_down_window=300))
     assert (out.recommendation, out.desired, out.reason) == (0, 5, "Stabilized")
     # Once the 5 leaves the window, the 4 still holds.
-    out = decide(inputs(5, pods(0, 0, 0, 0, 0), history=history, now=1101.0, scale_down_window=300))
+    out = scale_target(inputs(5, pods(0, 0, 0, 0, 0), history=history, now=1101.0, scale_down_window=300))
     assert out.desired == 4
-    out = decide(inputs(5, pods(0, 0, 0, 0, 0), history=history, now=1251.0, scale_down_window=300))
+    out = scale_target(inputs(5, pods(0, 0, 0, 0, 0), history=history, now=1251.0, scale_down_window=300))
     assert (out.desired, out.reason) == (1, "ScaleDown")
 
 
 def test_scale_up_window_takes_the_lowest():
     history = (Recommendation(990.0, 2),)
-    out = decide(inputs(2, pods(16, 16), history=history, scale_up_window=30))
+    out = scale_target(inputs(2, pods(16, 16), history=history, scale_up_window=30))
     assert (out.recommendation, out.desired) == (8, 2)
-    out = decide(inputs(2, pods(16, 16), history=history, scale_up_window=0))
+    out = scale_target(inputs(2, pods(16, 16), history=history, scale_up_window=0))
     assert (out.desired, out.limited_by) == (6, "ScaleUpLimit")  # 8, but at most 2 + 4 in one step
 
 
@@ -177,26 +177,26 @@ def test_stabilize_never_moves_against_the_recommendation():
 
 def test_history_is_pruned_to_the_longest_window():
     history = (Recommendation(100.0, 9), Recommendation(990.0, 2))
-    out = decide(inputs(2, pods(8, 8), history=history, scale_down_window=60))
+    out = scale_target(inputs(2, pods(8, 8), history=history, scale_down_window=60))
     assert [r.time for r in out.history] == [990.0, 1000.0]
 
 
 def test_quota_caps_scale_up_and_says_so():
-    out = decide(inputs(1, pods(20), quota_max=2))
+    out = scale_target(inputs(1, pods(20), quota_max=2))
     assert (out.recommendation, out.desired, out.quota_limited) == (5, 2, True)
     assert out.limited_by == "QuotaLimited" and "tenant team-a: quota 2" in out.message
 
 
 def test_quota_never_removes_running_replicas():
-    out = decide(inputs(3, pods(20, 20, 20), quota_max=1))
+    out = scale_target(inputs(3, pods(20, 20, 20), quota_max=1))
     assert (out.desired, out.quota_limited) == (3, True)
 
 
 def test_quota_does_not_flag_when_it_does_not_bind():
-    out = decide(inputs(1, pods(8), quota_max=4))
+    out = scale_target(inputs(1, pods(8), quota_max=4))
     assert (out.desired, out.quota_limited) == (2, False)
 
 
 def test_within_tolerance_is_steady():
-    out = decide(inputs(2, pods(4.2, 4.0), ttft=0.52))
+    out = scale_target(inputs(2, pods(4.2, 4.0), ttft=0.52))
     assert (out.desired, out.reason) == (2, "Steady")

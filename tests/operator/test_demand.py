@@ -27,13 +27,13 @@ class FakeCustom:
     def patch_namespaced_custom_object_scale(self, group, version, namespace, plural, name, body) -> None:
         self.scales.append(body["spec"]["replicas"])
 
-    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body) -> None:
-        self.statuses.append(body["status"]["autoscaling"])
-
 
 class FakeKube:
     def __init__(self) -> None:
         self.custom = FakeCustom()
+
+    def patch_service_status(self, namespace, name, status) -> None:
+        self.custom.statuses.append(status["autoscaling"])
 
 
 def _stamp(age: float) -> str:

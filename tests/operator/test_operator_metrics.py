@@ -16,7 +16,7 @@ from prometheus_client.utils import floatToGoString
 from flotilla import contract
 from flotilla.operator.api.v1alpha1 import MeteringLedger, TenantSpec, TenantStatus
 from flotilla.operator.clients.quota_ledger import World
-from flotilla.operator.controllers import admission
+from flotilla.operator.controllers import webhook_reviews
 from flotilla.operator.controllers.sync import _write
 from flotilla.operator.desired.status import service_figures
 from flotilla.operator.metrics import SERVICES, ServiceCollector, ServiceFigures, slo_bucket
@@ -186,7 +186,7 @@ class MemoryLedger:
 def admit(body: dict, namespace: str, name: str, memo: kopf.Memo, dryrun: bool = False) -> None:
     # kopf passes many more keyword arguments; the handler reads only these.
     given: dict = {"body": body, "old": None, "namespace": namespace, "name": name, "dryrun": dryrun}
-    admission.admit_service(memo=memo, **given)
+    webhook_reviews.admit_service(memo=memo, **given)
 
 
 def test_admission_refusals_are_counted_by_tenant_and_reason():
@@ -212,7 +212,7 @@ def test_admission_refusals_are_counted_by_tenant_and_reason():
     before = _denials("metrics-u", "TenantConflict")
     tenant = {"spec": {"namespaces": ["team-m"]}}
     with pytest.raises(kopf.AdmissionError):
-        admission.admit_tenant(memo=memo, **{"body": tenant, "name": "metrics-u"})
+        webhook_reviews.admit_tenant(memo=memo, **{"body": tenant, "name": "metrics-u"})
     assert _denials("metrics-u", "TenantConflict") == before + 1
 
     # Admitted: nothing counted.
@@ -227,7 +227,7 @@ def test_each_reconcile_exports_the_service_figures_it_wrote():
     rt = SimpleNamespace(
         refused={},
         written_status={},
-        kube=SimpleNamespace(patch_status=lambda ns, name, status: patched.append((ns, name))),
+        kube=SimpleNamespace(patch_service_status=lambda ns, name, status: patched.append((ns, name))),
         lock=threading.Lock(),
     )
     status = {"desiredReplicas": 2, "readyReplicas": 1, "conditions": [{"type": "Ready", "status": "False"}]}

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from flotilla.operator.api.v1alpha1 import TenantSpec
-from flotilla.operator.tenancy.quota import Held, Ledger, decide, used_gpus
+from flotilla.operator.tenancy.quota import Held, Ledger, granted_replicas, used_gpus
 
 TENANT = TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 8})
 
 
 def _decide(requested, current=0, used=0, gpus=2, gpu_type="h100", tenant="team-a", spec=TENANT):
-    return decide(
+    return granted_replicas(
         tenant=tenant,
         tenant_spec=spec,
         gpu_type=gpu_type,

@@ -17,7 +17,7 @@ from flotilla.engine.core.outputs import EngineStats
 from flotilla.engine.server.metrics import EngineMetrics
 from flotilla.operator.api.v1alpha1 import Autoscaling, TenantSpec
 from flotilla.operator.autoscaling.autoscaler import ServiceAutoscaler, autoscaling_status
-from flotilla.operator.autoscaling.rule import Inputs, PodSample, Policy, decide
+from flotilla.operator.autoscaling.rule import Inputs, PodSample, Policy, scale_target
 from flotilla.operator.autoscaling.scale_to_zero import (
     Activity,
     IdleClock,
@@ -101,13 +101,13 @@ def test_idle_goes_to_zero_after_the_period_and_not_before():
 def test_the_metrics_rule_never_recommends_zero_on_its_own():
     # minReplicas 0, no waiting: the queue rule's HPA arithmetic says 0; the result is still 1.
     policy = Policy(min_replicas=0, max_replicas=4, queue_depth_target=2.0, scale_down_window=0)
-    out = decide(Inputs(now=1000, current=3, pods=[PodSample("a", True, 0.0)], ttft_p95=None,
-                        ttft_complete=True, policy=policy))  # fmt: skip
+    out = scale_target(Inputs(now=1000, current=3, pods=[PodSample("a", True, 0.0)], ttft_p95=None,
+                              ttft_complete=True, policy=policy))  # fmt: skip
     assert (out.recommendation, out.desired) == (0, 1)
     # Even with a scale-to-zero period, until the idle rule says so.
     policy = Policy(min_replicas=0, max_replicas=4, queue_depth_target=2.0, scale_to_zero_after=IDLE)
-    out = decide(Inputs(now=1000, current=1, pods=[PodSample("a", True, 0.0)], ttft_p95=None,
-                        ttft_complete=True, policy=policy, idle_for=IDLE - 1))  # fmt: skip
+    out = scale_target(Inputs(now=1000, current=1, pods=[PodSample("a", True, 0.0)], ttft_p95=None,
+                              ttft_complete=True, policy=policy, idle_for=IDLE - 1))  # fmt: skip
     assert out.desired == 1
 
 

@@ -108,7 +108,7 @@ def test_a_bad_policy_is_refused_naming_the_field_and_the_value():
 def test_a_bad_weight_is_refused_naming_the_field_and_the_value(weight):
     with pytest.raises(ValidationError) as refused:
         TenantSpec.model_validate({"namespaces": ["team-a"], "schedulingWeight": weight})
-    # The Tenant webhook refuses with this text (controllers/admission.py).
+    # The Tenant webhook refuses with this text (controllers/webhook_reviews.py).
     assert "schedulingWeight" in str(refused.value) and f"input_value={weight}" in str(refused.value)
 
 

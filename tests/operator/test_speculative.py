@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from flotilla.operator.api.v1alpha1 import INFERENCE_SERVICE, InferenceServiceSpec
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.desired.admission import review_service
+from flotilla.operator.controllers.webhook_reviews import review_service
 from flotilla.operator.desired.validation import validate
 from flotilla.operator.desired.workload import deployment, engine_args, engine_flags
 from flotilla.operator.manifests.crds import crd

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 from flotilla.contract import REASON_QUOTA_LIMITED
 from flotilla.operator.api.v1alpha1 import Autoscaling, AutoscalingMetrics, AutoscalingStatus, Condition
-from flotilla.operator.autoscaling.rule import Inputs, Outcome, PodSample, Policy, Recommendation, decide
+from flotilla.operator.autoscaling.rule import (
+    Inputs,
+    Outcome,
+    PodSample,
+    Policy,
+    Recommendation,
+    scale_target,
+)
 from flotilla.operator.autoscaling.scale_to_zero import IdleClock, activity
 from flotilla.operator.autoscaling.signals import Signals
 from flotilla.operator.desired.status import PodView, merge_transition_times
@@ -93,7 +100,7 @@ class ServiceAutoscaler:
             idle_for=idle_for,
             demand=demand,
         )
-        outcome = decide(inputs)
+        outcome = scale_target(inputs)
         self.history = outcome.history
         metrics = AutoscalingMetrics(
             ttft_p95_seconds=signals.ttft_p95,

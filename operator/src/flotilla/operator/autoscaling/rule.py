@@ -235,7 +235,9 @@ def _zero(inputs: Inputs) -> Outcome | None:
     return None
 
 
-def decide(inputs: Inputs) -> Outcome:
+def scale_target(inputs: Inputs) -> Outcome:
+    """The replicas the service should run now, and why: to or from zero (idle, a demand), else the
+    largest of the signals' proposals, stabilized and kept within the bounds and the tenant's quota."""
     zero = _zero(inputs)
     if zero is not None:
         return zero

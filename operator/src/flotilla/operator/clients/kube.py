@@ -81,7 +81,10 @@ class Kube:
                 raise
         return True
 
-    def patch_status(self, namespace: str, name: str, status: dict) -> None:
+    def patch_service_status(self, namespace: str, name: str, status: dict) -> None:
+        """The one write of an InferenceService's status: a merge patch, so the fields `status` does not
+        name are kept. Two writers own disjoint parts: the reconciler (controllers/sync.py) everything
+        desired/status.py computes, the autoscaler (controllers/autoscaling.py) status.autoscaling."""
         API_CALLS.labels(verb="patch", resource="inferenceservices/status").inc()
         response = self.custom.patch_namespaced_custom_object_status(
             GROUP,

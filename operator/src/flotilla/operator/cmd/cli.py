@@ -135,7 +135,7 @@ def _crds(args: argparse.Namespace) -> int:
 
 
 def _chart(args: argparse.Namespace) -> int:
-    from flotilla.operator.controllers.admission import webhook_definitions
+    from flotilla.operator.controllers.webhook_reviews import webhook_definitions
     from flotilla.operator.manifests.chart import files, write
 
     if args.check:
@@ -183,7 +183,7 @@ def read_engine_token(path: Path | None) -> str | None:
 def _run(args: argparse.Namespace) -> int:
     from flotilla.operator.config import OperatorConfig
     from flotilla.operator.controllers.runner import run_operator
-    from flotilla.operator.tenancy.settings import from_arguments
+    from flotilla.operator.tenancy.settings import tenancy_from_arguments, webhook_from_arguments
 
     defaults = OperatorConfig()
     config = OperatorConfig(
@@ -204,6 +204,7 @@ def _run(args: argparse.Namespace) -> int:
         standalone=args.standalone,
         priority=args.priority,
         verbose=args.verbose,
-        tenancy=from_arguments(args),
+        webhook=webhook_from_arguments(args),
+        tenancy=tenancy_from_arguments(args),
         drain_seconds=args.drain_seconds,
     )

@@ -45,7 +45,7 @@ from flotilla.operator.controllers.indexes import ISVC, index_one, labels_by_nam
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired.status import pod_view
 from flotilla.operator.metrics import API_CALLS
-from flotilla.operator.tenancy.quota import Key, QuotaDecision, decide, used_gpus
+from flotilla.operator.tenancy.quota import Key, QuotaDecision, granted_replicas, used_gpus
 from flotilla.operator.tenancy.rules import owner_of
 
 log = logging.getLogger("flotilla.operator.autoscaling.autoscaler")
@@ -64,7 +64,7 @@ def _now() -> str:
 def _quota(
     rt: Runtime, key: Key, spec: dict, indexes: dict, wanted: int, current: int
 ) -> QuotaDecision | None:
-    """The tenancy rule (quota.decide) asked about `wanted` replicas, against the reconciler's ledger."""
+    """The tenancy rule (quota.granted_replicas) asked about `wanted` replicas, against the reconciler's ledger."""
     resources = spec.get("resources") or {}
     gpu_type, gpus = resources.get("gpuType"), resources.get("gpus", 1)
     specs = tenant_specs(indexes["tenants"])
@@ -73,7 +73,7 @@ def _quota(
     others = rt.held.others(key)
     if tenant is None and not claim.contested:
         return None
-    return decide(
+    return granted_replicas(
         contest=claim.contest_message() if claim.contested else None,
         tenant=tenant,
         tenant_spec=specs.get(tenant) if tenant else None,
@@ -89,13 +89,6 @@ def _patch_scale(rt: Runtime, namespace: str, name: str, replicas: int) -> None:
     API_CALLS.labels(verb="patch", resource="inferenceservices/scale").inc()
     rt.kube.custom.patch_namespaced_custom_object_scale(
         GROUP, VERSION, namespace, INFERENCE_SERVICE.plural, name, {"spec": {"replicas": replicas}}
-    )
-
-
-def _patch_status(rt: Runtime, namespace: str, name: str, autoscaling: dict) -> None:
-    API_CALLS.labels(verb="patch", resource="inferenceservices/status").inc()
-    rt.kube.custom.patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, INFERENCE_SERVICE.plural, name, {"status": {"autoscaling": autoscaling}}
     )
 
 
@@ -199,7 +192,8 @@ class _Daemon:
             scaled=scaled,
             source=metrics_source(prometheus_url, fallback),
         )
-        await asyncio.to_thread(_patch_status, self.rt, namespace, name, status)
+        # Only status.autoscaling: the reconciler owns the rest of status (clients.kube.patch_service_status).
+        await asyncio.to_thread(self.rt.kube.patch_service_status, namespace, name, {"autoscaling": status})
         self.written = status
         m = step.metrics
         autoscale_metrics.record(

@@ -9,7 +9,7 @@ import kopf
 
 from flotilla.operator.controllers import indexes
 from flotilla.operator.controllers.indexes import MANAGED, index_one, plain
-from flotilla.operator.controllers.sync import going_away, sync
+from flotilla.operator.controllers.sync import correct_drift, going_away, refresh_status
 from flotilla.operator.naming import SERVICE_LABEL
 
 log = logging.getLogger("flotilla.operator")
@@ -49,14 +49,10 @@ def _child_event(
     if event.get("type") == "DELETED":
         observed = {"kind": observed.get("kind")}
     try:
-        sync(
-            memo.runtime,
-            obj,
-            indexes.of(kwargs),
-            "child",
-            mode="drift",
-            observed=observed if check_drift else {},
-        )
+        if check_drift:
+            correct_drift(memo.runtime, obj, indexes.of(kwargs), "child", observed)
+        else:
+            refresh_status(memo.runtime, obj, indexes.of(kwargs), "child")
     except Exception as exc:
         _log_failure(exc, "refreshing %s/%s after a child event", namespace, owner)
 

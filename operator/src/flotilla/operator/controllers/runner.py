@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.tenancy.settings import TenancySettings
+from flotilla.operator.tenancy.settings import TenancySettings, WebhookSettings
 
 log = logging.getLogger("flotilla.operator")
 
@@ -29,6 +29,7 @@ def run_operator(
     standalone: bool,
     priority: int | None = None,
     verbose: bool,
+    webhook: WebhookSettings | None = None,
     tenancy: TenancySettings | None = None,
     drain_seconds: float = 0.0,
 ) -> int:
@@ -48,12 +49,13 @@ def run_operator(
         # kopf's own login reads $KUBECONFIG; the handlers' client gets the same file explicitly.
         os.environ["KUBECONFIG"] = str(kubeconfig)
     kube = Kube(kubeconfig)
+    webhook = webhook or WebhookSettings()
     tenancy = tenancy or TenancySettings()
-    if tenancy.webhook_port:
+    if webhook.port:
         # kopf needs a server for the validating handlers; importing them registers both.
-        from flotilla.operator.controllers import admission, webhook_server  # noqa: F401
+        from flotilla.operator.controllers import webhook_reviews, webhook_server  # noqa: F401
 
-        webhook_server.require_namespace(kube, tenancy.namespace)  # before kopf: one line, not a retry loop
+        webhook_server.require_namespace(kube, webhook.namespace)  # before kopf: one line, not a retry loop
 
     # Structured (JSON) logs, one object per line.
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON)
@@ -77,7 +79,9 @@ def run_operator(
             log.warning("could not create ClusterKopfPeering %s: %s", peering or PEERING, exc)
     # Peering named `flotilla` when the kopf.dev CRD is installed (kopf's auto-detection); --peering NAME
     # makes it mandatory, --standalone turns it off.
-    runtime = Runtime(config=config, kube=kube, tenancy=tenancy, peering_name=peering or PEERING)
+    runtime = Runtime(
+        config=config, kube=kube, webhook=webhook, tenancy=tenancy, peering_name=peering or PEERING
+    )
     if metrics_port:
         server = serve(metrics_host, metrics_port)
         log.info("serving /metrics and /healthz on http://%s:%d", metrics_host, server.server_address[1])

@@ -7,10 +7,10 @@ import logging
 
 import kopf
 
-from flotilla.operator.controllers import indexes
+from flotilla.operator.controllers import indexes, sync
 from flotilla.operator.controllers.indexes import ISVC, plain
 from flotilla.operator.controllers.state import Runtime
-from flotilla.operator.controllers.sync import retry_services, sync
+from flotilla.operator.controllers.sync import retry_services
 from flotilla.operator.desired.status import QUOTA_ADMITTED
 from flotilla.operator.metrics import SERVICES
 
@@ -22,7 +22,7 @@ log = logging.getLogger("flotilla.operator")
 @kopf.on.update(*ISVC)
 def reconcile(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs) -> None:
     try:
-        sync(memo.runtime, plain(body), indexes.of(kwargs), "spec")
+        sync.reconcile(memo.runtime, plain(body), indexes.of(kwargs), "spec")
     except kopf.PermanentError:
         raise
     except Exception as exc:

@@ -17,7 +17,7 @@ from flotilla.operator.clients.quota_ledger import QuotaLedger
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.tenancy.metering import Span
 from flotilla.operator.tenancy.quota import Key, Ledger
-from flotilla.operator.tenancy.settings import TenancySettings
+from flotilla.operator.tenancy.settings import TenancySettings, WebhookSettings
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Runtime:
 
     config: OperatorConfig
     kube: Kube
+    webhook: WebhookSettings = field(default_factory=WebhookSettings)
     tenancy: TenancySettings = field(default_factory=TenancySettings)
     peering_name: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # plan-and-hold as one step; key_locks
@@ -34,7 +35,7 @@ class Runtime:
     # The last status we wrote, which may be newer than the index.
     written_status: dict[Key, dict] = field(default_factory=dict)
     refused: dict[Key, dict[str, str]] = field(default_factory=dict)  # kind -> why the API refused it
-    key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one sync at a time per service
+    key_locks: dict[Key, threading.Lock] = field(default_factory=dict)  # one plan at a time per service
     gpu_types: frozenset[str] = frozenset()
     namespace_labels: dict[str, dict] = field(default_factory=dict)  # as last seen, to spot label changes
     tenant_weights: dict[str, float] = field(default_factory=dict)  # schedulingWeight as last seen
@@ -58,5 +59,5 @@ def new_memo(runtime: Runtime) -> kopf.Memo:
     return kopf.Memo(
         runtime=runtime,
         metering=MeteringState(),
-        admission=QuotaLedger(runtime.kube, runtime.tenancy.namespace),
+        admission=QuotaLedger(runtime.kube, runtime.webhook.namespace),
     )

@@ -1,6 +1,14 @@
 """One service brought in line with its plan: gather a World from the indexes, call the pure `plan`,
 server-side apply the children, write status when it changed, post the plan's events. Every handler
-that reconciles (the service's own, its children's, the world's) goes through `sync` or `retry_services`."""
+that reconciles goes through one of these, each saying which children the event may have changed:
+
+- `reconcile`: the service itself was created, changed or found at start-up: apply every child;
+- `correct_drift`: one child changed or vanished: re-apply it if it no longer matches the plan;
+- `refresh_status`: something status reads changed (a pod): apply nothing, write status;
+- `retry_services`: the world changed (nodes, namespaces, Tenants, freed quota): for each service it may
+  unblock, re-apply the Deployment if it no longer matches (it carries what such a change can alter).
+
+Applying is idempotent; choosing the children only saves calls."""
 
 from __future__ import annotations
 
@@ -26,6 +34,9 @@ from flotilla.operator.tenancy.rules import namespaces_owned, tenant_of
 
 log = logging.getLogger("flotilla.operator")
 
+# Given the plan and the service's key, the desired children to send.
+Choose = Callable[[Plan, Key], list[dict]]
+
 
 class ApplyFailed(Exception):
     pass
@@ -35,10 +46,50 @@ def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def sync(
-    rt: Runtime, obj: dict, idx: dict, trigger: str, *, mode: str = "full", observed: dict | None = None
-) -> Plan:
-    """Plan one service and carry the plan out (see _to_apply for the modes)."""
+def reconcile(rt: Runtime, obj: dict, idx: dict, trigger: str) -> Plan:
+    """Plan the service and apply every child: its spec (or the operator) changed."""
+    return _bring_in_line(rt, obj, idx, trigger, lambda result, key: result.children)
+
+
+def correct_drift(rt: Runtime, obj: dict, idx: dict, trigger: str, observed: dict) -> Plan:
+    """One child changed or vanished (`observed`: the child as the watch saw it, or only its kind when it
+    was deleted): re-apply it if it no longer matches the plan, and write status."""
+
+    def drifted_child(result: Plan, key: Key) -> list[dict]:
+        to_apply = [c for c in result.children if c["kind"] == observed.get("kind") and drifted(observed, c)]
+        if to_apply:
+            log.info(
+                "correcting drift of %s %s/%s: %s",
+                observed.get("kind"),
+                *key,
+                drifted(observed, to_apply[0]),
+            )
+        return to_apply
+
+    return _bring_in_line(rt, obj, idx, trigger, drifted_child)
+
+
+def refresh_status(rt: Runtime, obj: dict, idx: dict, trigger: str) -> Plan:
+    """Plan the service and write its status; apply nothing (a pod changed: status reads pods)."""
+    return _bring_in_line(rt, obj, idx, trigger, lambda result, key: [])
+
+
+def _retry(rt: Runtime, obj: dict, idx: dict, trigger: str) -> Plan:
+    """The world changed in a way that may unblock the service: re-apply its Deployment, which carries what
+    such a change can alter (replicas, the tenant label), if it no longer matches; every child when no
+    Deployment is indexed."""
+
+    def changed_deployment(result: Plan, key: Key) -> list[dict]:
+        deployment = index_one(idx["deployments"], key)
+        if deployment is None:
+            return result.children
+        return [c for c in result.children if c["kind"] == "Deployment" and drifted(deployment, c)]
+
+    return _bring_in_line(rt, obj, idx, trigger, changed_deployment)
+
+
+def _bring_in_line(rt: Runtime, obj: dict, idx: dict, trigger: str, choose: Choose) -> Plan:
+    """Plan one service and carry the plan out, applying the children `choose` picks."""
     meta = obj["metadata"]
     key = (meta["namespace"], meta["name"])
     RECONCILES.labels(trigger).inc()
@@ -53,15 +104,7 @@ def sync(
             ):
                 # The namespace's GPU limit first, or the new pods meet the old one.
                 _raise_backstop(rt, result.held.tenant, idx)
-            to_apply = _to_apply(result, mode, observed, index_one(idx["deployments"], key))
-            if mode == "drift" and to_apply:
-                log.info(
-                    "correcting drift of %s %s/%s: %s",
-                    observed.get("kind"),
-                    *key,
-                    drifted(observed, to_apply[0]),
-                )
-            _write(rt, obj, result, key, apply=to_apply)
+            _write(rt, obj, result, key, apply=choose(result, key))
             return result
         except Exception:
             RECONCILE_ERRORS.labels(trigger).inc()
@@ -78,13 +121,13 @@ def _raise_backstop(rt: Runtime, tenant: str, idx: dict) -> None:
 
 
 def retry_services(rt: Runtime, idx: dict, wanted: Callable[[dict, dict], bool], trigger: str) -> None:
-    """Sync every service for which wanted(obj, {condition type: status}) holds: the world changed in a
+    """Retry every service for which wanted(obj, {condition type: status}) holds: the world changed in a
     way that may unblock it."""
     for store in list(idx["services"].values()):
         for obj in store:
             if wanted(obj, conditions(obj)):
                 try:
-                    sync(rt, obj, idx, trigger, mode="retry")
+                    _retry(rt, obj, idx, trigger)
                 except Exception:
                     log.exception(
                         "retrying %s/%s failed", obj["metadata"]["namespace"], obj["metadata"]["name"]
@@ -148,19 +191,6 @@ def _plan(rt: Runtime, obj: dict, key: Key, idx: dict) -> Plan:
     return result
 
 
-def _to_apply(result: Plan, mode: str, observed: dict | None, indexed_deployment: dict | None) -> list[dict]:
-    """Which desired children to send. Applying is idempotent; this only saves calls."""
-    if mode == "full":
-        return result.children
-    if mode == "drift":  # one child changed (or vanished): re-apply it if it no longer matches
-        assert observed is not None
-        return [c for c in result.children if c["kind"] == observed.get("kind") and drifted(observed, c)]
-    # "retry": the world changed; the Deployment carries what a retry can change (replicas, tenant label)
-    if indexed_deployment is None:
-        return result.children
-    return [c for c in result.children if c["kind"] == "Deployment" and drifted(indexed_deployment, c)]
-
-
 def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[dict]) -> None:
     # Remembered until that kind is applied successfully, so status does not flip back and forth
     # between refreshes that re-apply nothing.
@@ -184,7 +214,7 @@ def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[di
             events.append(Event("Warning", "ApplyFailed", status["message"]))
     current = rt.written_status.get(key, obj.get("status"))
     if status_changed(current, status):
-        rt.kube.patch_status(key[0], key[1], status)
+        rt.kube.patch_service_status(key[0], key[1], status)
         rt.written_status[key] = status
     SERVICES.update(key[0], key[1], service_figures(obj.get("spec") or {}, status))
     for event in events:

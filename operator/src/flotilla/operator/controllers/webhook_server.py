@@ -23,7 +23,7 @@ from flotilla.operator.controllers import webhook_tls
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.manifests.rbac import MANIFEST_FILE, NAMESPACE
 from flotilla.operator.metrics import API_CALLS
-from flotilla.operator.tenancy.settings import TenancySettings
+from flotilla.operator.tenancy.settings import WebhookSettings
 
 log = logging.getLogger("flotilla.operator.tenancy.admission")
 
@@ -56,30 +56,30 @@ def missing_namespace_message(namespace: str) -> str:
 @kopf.on.startup()
 def webhook_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     rt: Runtime = memo.runtime
-    tenancy = rt.tenancy
-    if tenancy.webhook_tls_dir:
-        cafile, certfile, pkeyfile = webhook_tls.mounted_files(Path(tenancy.webhook_tls_dir))
+    webhook = rt.webhook
+    if webhook.tls_dir:
+        cafile, certfile, pkeyfile = webhook_tls.mounted_files(Path(webhook.tls_dir))
     else:
-        material = _webhook_material(rt.kube, tenancy)
+        material = _webhook_material(rt.kube, webhook)
         cafile, certfile, pkeyfile = webhook_tls.write_files(
             material, Path(tempfile.mkdtemp(prefix="flotilla-webhook-"))
         )
     settings.admission.server = kopf.WebhookServer(
-        addr=tenancy.webhook_listen,
-        port=tenancy.webhook_port,
-        host=tenancy.webhook_host,
+        addr=webhook.listen,
+        port=webhook.port,
+        host=webhook.host,
         cafile=cafile,
         certfile=certfile,
         pkeyfile=pkeyfile,
     )
-    settings.admission.managed = tenancy.webhook_configuration or None
-    log.info("admission webhook on https://%s:%d", tenancy.webhook_host, tenancy.webhook_port)
+    settings.admission.managed = webhook.configuration or None
+    log.info("admission webhook on https://%s:%d", webhook.host, webhook.port)
 
 
-def _webhook_material(kube: Kube, tenancy: TenancySettings) -> webhook_tls.Material:
+def _webhook_material(kube: Kube, webhook: WebhookSettings) -> webhook_tls.Material:
     """The Secret's CA and serving certificate, created or renewed if needed. Replicas race safely:
     create and replace are conditional, and the loser reads the winner's."""
-    core, namespace = kube.core, tenancy.namespace
+    core, namespace = kube.core, webhook.namespace
     for _attempt in range(5):
         try:
             secret = core.read_namespaced_secret(webhook_tls.SECRET_NAME, namespace)
@@ -88,7 +88,7 @@ def _webhook_material(kube: Kube, tenancy: TenancySettings) -> webhook_tls.Mater
             if exc.status != 404:
                 raise
             secret, existing = None, None
-        material = webhook_tls.ensure(existing, [tenancy.webhook_host], dt.datetime.now(dt.UTC))
+        material = webhook_tls.ensure(existing, [webhook.host], dt.datetime.now(dt.UTC))
         if material is existing:
             return material
         body = client.V1Secret(

@@ -31,7 +31,7 @@ from flotilla.operator.desired.workload import (
     target_replicas,
 )
 from flotilla.operator.naming import NO_TENANT, selector_string
-from flotilla.operator.tenancy.quota import Held, QuotaDecision, decide, used_gpus
+from flotilla.operator.tenancy.quota import Held, QuotaDecision, granted_replicas, used_gpus
 from flotilla.operator.tenancy.rules import owner_of as owner_of_namespace
 from flotilla.operator.tenancy.rules import scheduling_weights
 
@@ -92,7 +92,7 @@ def plan(obj: dict, world: World) -> Plan:
         gpus = spec.resources.gpus
         claim = owner_of_namespace(owner.namespace, world.tenants, world.namespace_labels)
         tenant = claim.tenant
-        quota = decide(
+        quota = granted_replicas(
             contest=claim.contest_message() if claim.contested else None,
             tenant=tenant,
             tenant_spec=world.tenants.get(tenant) if tenant else None,

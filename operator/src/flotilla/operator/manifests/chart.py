@@ -46,7 +46,7 @@ def _kept_crd(text: str) -> str:
 
 def files(webhooks: list[dict]) -> dict[str, str]:
     """Path under the chart's files/ folder -> text. `webhooks`: kopf's definitions of the admission
-    webhooks (controllers.admission.webhook_definitions; the kopf layer sits above this one)."""
+    webhooks (controllers.webhook_reviews.webhook_definitions; the kopf layer sits above this one)."""
     out = {f"crds/{name}": _kept_crd(text) for name, text in crd_files().items()}
     out["rbac/operator-rules.yaml"] = _yaml(cluster_rules())
     out["rbac/secret-rules.yaml"] = _yaml(tenant_rbac.SECRET_RULES)

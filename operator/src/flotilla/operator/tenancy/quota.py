@@ -1,9 +1,9 @@
 """Quota: what each service holds of its tenant's GPU quota, the arithmetic on it, and the reconciler's
 rule for how many replicas a quota admits. Pure, apart from the ledger's lock.
 
-The one place quota is counted. The reconciler (`decide`) and the admission webhook (admission.review)
-both ask it; they differ only in what a service is charged (see admission.py) and where their ledger
-lives (the reconciler's in memory, the webhook's in the API: reservations.py).
+The one place quota is counted. The reconciler (`granted_replicas`) and the admission webhook
+(quota_review.review) both ask it; they differ only in what a service is charged (see quota_review.py)
+and where their ledger lives (the reconciler's in memory, the webhook's in the API: reservations.py).
 A service is charged replicas x gpus of its GPU type. Quota never removes running pods: when a quota
 drops below use, the service keeps what it has and only scale-up is refused.
 """
@@ -108,7 +108,7 @@ class QuotaDecision:
     message: str
 
 
-def decide(
+def granted_replicas(
     *,
     tenant: str | None,
     tenant_spec: TenantSpec | None,
@@ -119,9 +119,11 @@ def decide(
     used_by_others: int,
     contest: str | None = None,
 ) -> QuotaDecision:
-    """Replicas to run. `current` is how many the service runs now; `used_by_others` is what the tenant's
-    other services hold of this GPU type; `contest` says why no tenant owns the namespace when several
-    claim it: then no quota grants GPUs there, and what already runs is kept."""
+    """The replicas the tenant's quota grants a service that asks for `requested`, and why (the reconciler
+    runs that many; the autoscaler asks how far it may grow). `current` is how many the service runs now;
+    `used_by_others` is what the tenant's other services hold of this GPU type; `contest` says why no
+    tenant owns the namespace when several claim it: then no quota grants GPUs there, and what already
+    runs is kept."""
     if contest is not None and gpus_per_replica > 0:
         return QuotaDecision(min(requested, current), False, "NamespaceContested", contest)
     if tenant is None or tenant_spec is None:

@@ -14,7 +14,7 @@ over it. A reservation lives until the stored object shows the charge it reserve
 object it reserved for is gone and another with its name stands there, or `RESERVATION_TTL_SECONDS`
 pass: the longest an admitted write can take to be stored after the webhook answered. The TTL errs
 towards refusing: a create admitted and then deleted within the TTL holds its GPUs until the TTL ends
-or the operator sees the deletion (controllers/admission.py releases it).
+or the operator sees the deletion (controllers/webhook_reviews.py releases it).
 """
 
 from __future__ import annotations

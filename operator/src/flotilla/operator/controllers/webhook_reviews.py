@@ -1,4 +1,5 @@
-"""The admission webhook's handlers (its server: webhook_server.py), loaded only with --webhook-port.
+"""The admission webhook's reviews: its kopf handlers (its server: webhook_server.py; its certificates:
+webhook_tls.py), loaded only with --webhook-port.
 
 Every operator replica answers reviews (the API server spreads them over the webhook Service's pods), and
 a standby's watch indexes are paused, so reviews read nothing from indexes: each reads the Tenants,
@@ -6,8 +7,11 @@ namespaces and stored InferenceServices fresh from the API, and the tenant's quo
 ConfigMap that it writes with optimistic concurrency (tenancy/reservations.py). Two reviews of one
 tenant, on any replicas, serialize on that write; the loser reads again and decides again.
 
-- InferenceServices (create, update, and the scale subresource) are judged by desired.admission: the
-  reconciler's own validation, then the Tenant's quota.
+- InferenceServices (create, update, and the scale subresource) are judged by `review_service` below:
+  the reconciler's own validation (desired.validation.check), then the Tenant's quota
+  (tenancy.quota_review). The rules that depend on the world (GPU types on the nodes, model paths) are
+  left to the reconciler: the world changes (a node joins, a volume is filled) and the reconciler
+  re-checks them when it does, while admission is asked once.
 - Tenants are refused when they claim a namespace another Tenant claims, stored or admitted moments ago
   (the claims ConfigMap, written the same way).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterable
 
 import kopf
 
@@ -24,9 +29,10 @@ from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VER
 from flotilla.operator.clients.quota_ledger import QuotaLedger, World
 from flotilla.operator.controllers import failpoints
 from flotilla.operator.controllers.indexes import ISVC
-from flotilla.operator.desired.admission import charged, review_service
+from flotilla.operator.desired.validation import check, describe, parse_spec
 from flotilla.operator.metrics import API_CALLS, DENIALS, INVALID_TENANT, TENANT_CONFLICT
-from flotilla.operator.tenancy.quota import Key
+from flotilla.operator.tenancy.quota import Held, Key
+from flotilla.operator.tenancy.quota_review import Verdict, charge, review
 from flotilla.operator.tenancy.reservations import (
     RESERVATION_TTL_SECONDS,
     Reservation,
@@ -154,6 +160,50 @@ def _admit(
         "won the reservation before this one; nothing was admitted or charged, retry the request",
         code=LEDGER_BUSY,
     )
+
+
+def review_service(
+    *,
+    key: Key,
+    new_raw: dict,
+    old_raw: dict | None,
+    tenant: str | None,
+    tenant_spec: TenantSpec | None,
+    others: Iterable[Held],
+    contest: str | None = None,
+) -> tuple[Verdict, Held | None]:
+    """The verdict on a create (`old_raw` None) or an update of the spec, and what the service is charged
+    once admitted (None when nothing is). Pure: the webhook's counterpart of desired.reconcile.plan, built
+    from the same parts."""
+    new, problems = check(new_raw)
+    if problems and new_raw != old_raw:
+        # Only a changed spec is judged: the operator's own writes (finalizers, annotations) to an object
+        # stored before the webhook was on must pass, or it could never be deleted.
+        return Verdict(False, describe(problems), problems[0].reason, code=422), None
+    if new is None:
+        return Verdict(True, "the spec did not change", "Unchanged"), None
+    old = parse_spec(old_raw)[0] if old_raw is not None else None
+    new_charge = charge(new)
+    verdict = review(
+        key=key,
+        tenant=tenant,
+        tenant_spec=tenant_spec,
+        new=new_charge,
+        old=charge(old) if old is not None else None,
+        others=others,
+        contest=contest,
+    )
+    held = Held(key, tenant, new_charge.gpu_type, new_charge.gpus) if tenant else None
+    return verdict, held
+
+
+def charged(key: Key, tenant: str, raw_spec: dict) -> Held | None:
+    """What a stored service is charged (None when its spec does not parse)."""
+    spec, _ = parse_spec(raw_spec)
+    if spec is None:
+        return None
+    c = charge(spec)
+    return Held(key, tenant, c.gpu_type, c.gpus)
 
 
 def _stored(world: World, tenant: str) -> dict[Key, Stored]:

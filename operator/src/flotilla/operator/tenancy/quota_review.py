@@ -1,5 +1,6 @@
-"""Admission of InferenceServices against their Tenant's quota: what a service is charged, and whether
-its tenant may hold that. Pure. The counting (what is held, what is in use, what fits) is quota.py's.
+"""The admission webhook's quota review of an InferenceService: what a service is charged, and whether
+its tenant may hold that (`review`). Pure; the webhook (controllers/webhook_reviews.py) asks it after the
+spec's own validation. The counting (what is held, what is in use, what fits) is quota.py's.
 
 What a service is charged at admission (`charge`):
 - a fixed service: replicas x gpus;
@@ -7,7 +8,7 @@ What a service is charged at admission (`charge`):
   while applying. Charging minReplicas would admit services whose autoscalers then compete for the
   same GPUs at runtime, and the loser's latency target silently breaks exactly when load is high
   (the problem LLMKube #1338 shows). Charging the maximum means every admitted service can always
-  reach its maxReplicas; the runtime clamp (quota.decide) stays as the backstop for quotas lowered later.
+  reach its maxReplicas; the runtime clamp (quota.granted_replicas) stays as the backstop for quotas lowered later.
 
 Updates that do not raise a service's charge are always admitted, so a lowered quota never blocks
 edits, the operator's own annotation writes, or scaling down.
