@@ -60,7 +60,7 @@ from flotilla.operator.controllers.failpoints import ENV as FAILPOINT_ENV
 from flotilla.operator.controllers.webhook_tls import SECRET_NAME as WEBHOOK_TLS_SECRET
 from flotilla.operator.naming import METERING_FINALIZER
 from flotilla.operator.tenancy.metering import pod_gpus
-from flotilla.operator.tenancy.settings import TenancySettings
+from flotilla.operator.tenancy.settings import WebhookSettings
 
 pytestmark = pytest.mark.cluster
 
@@ -256,7 +256,7 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         f.operator.stop()
         # The webhook and its TLS Secret go with this host-process operator (a chart installed later makes
         # its own).
-        cluster.kubectl("delete", "validatingwebhookconfiguration", TenancySettings().webhook_configuration,
+        cluster.kubectl("delete", "validatingwebhookconfiguration", WebhookSettings().configuration,
                         "--ignore-not-found", check=False)  # fmt: skip
         cluster.kubectl(
             "delete", "secret", WEBHOOK_TLS_SECRET, "-n", OPERATOR_NS, "--ignore-not-found", check=False
