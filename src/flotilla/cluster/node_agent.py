@@ -365,7 +365,9 @@ class NodeAgent:
         listed = self.listed.is_set()  # before the copy: `seen` then holds the whole first listing
         with self.lock:
             seen = dict(self.seen)
-        for uid, pod in seen.items():
+        # Pods that already have an address first: a restarted agent hands each adopted pod its own IP
+        # back before a pod made while it was down can take that IP (its status would then be refused).
+        for uid, pod in sorted(seen.items(), key=lambda item: not (item[1].get("status") or {}).get("podIP")):
             meta, spec = pod["metadata"], pod["spec"]
             deleting = meta.get("deletionTimestamp") is not None
             pool = self.nodes[spec["nodeName"]]
