@@ -24,6 +24,7 @@ from flotilla.contract import (
     HEALTH_PATH,
     IMAGE_UID,
     METRICS_PATH,
+    SCHEDULING_FAIR,
     EngineArgs,
     engine_base_url,
     engine_serve_argv,
@@ -89,7 +90,6 @@ def target_replicas(spec: InferenceServiceSpec) -> int:
     return max(spec.autoscaling.min_replicas, min(spec.replicas, spec.autoscaling.max_replicas))
 
 
-FAIR = "fair"
 DRAFT = "draft"
 
 
@@ -111,7 +111,7 @@ def engine_args(
         prefix_caching=engine.prefix_caching,
         dtype=engine.dtype,
         scheduling_policy=engine.scheduling_policy,
-        tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == FAIR else (),
+        tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == SCHEDULING_FAIR else (),
         quantization=engine.quantization,
         quantization_group_size=engine.quantization_group_size,
         speculative_method=speculative.method if speculative else None,
