@@ -15,7 +15,6 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import httpx
@@ -25,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from flotilla import timestamps
 from flotilla.contract import HEALTH_PATH, METRICS_PATH, OPENAI_PATH
 from flotilla.gateway.config import GatewaySettings
 from flotilla.gateway.core.keys import parse_bearer
@@ -243,7 +243,7 @@ class Gateway:
             # not be scaled back to zero under the requests waiting for it.
             if time.monotonic() - last >= DEMAND_INTERVAL:
                 self.demand_sent[service.key] = time.monotonic()
-                await self.fleet.demand(current, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+                await self.fleet.demand(current, timestamps.now(micro=True))
             await asyncio.sleep(1.0)
 
     async def open(
