@@ -1,18 +1,21 @@
 """The layout's promises: a file's path is its import path, the operator needs no torch, the contract is
-stdlib-only and is the one place its names are spelled, and installed code never looks for the checkout."""
+stdlib-only and is the one place its names are spelled, what two parts need is written once (in the root
+distribution), and installed code never looks for the checkout."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from flotilla import contract, ownership
+from flotilla import contract, disconnect, openai_errors, ownership, quantity, timestamps
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = [ROOT / "src", ROOT / "engine" / "src", ROOT / "operator" / "src", ROOT / "gateway" / "src"]
@@ -74,10 +77,13 @@ print(len({names!r}))
     assert int(result.stdout) == len(names) > 50
 
 
-@pytest.mark.parametrize("module", [contract, ownership], ids=["contract", "ownership"])
+SHARED = [contract, ownership, openai_errors, quantity, timestamps, disconnect]
+
+
+@pytest.mark.parametrize("module", SHARED, ids=[m.__name__.rpartition(".")[2] for m in SHARED])
 def test_the_shared_rules_import_only_the_standard_library(module) -> None:
-    """The contract and the ownership rule are imported by every part, the gateway's I/O-free core
-    included: they may need nothing the parts do not all have."""
+    """The contract, the ownership rule and the root's shared helpers are imported by the parts, the
+    gateway's I/O-free core included: they may need nothing the parts do not all have."""
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name.split(".")[0]
@@ -126,6 +132,72 @@ def test_engine_operator_and_gateway_spell_no_contract_name_themselves() -> None
                         f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r} (use contract.{spelled[node.value]})"
                     )
     assert not copies, "\n".join(copies)
+
+
+def _strings(path: Path) -> Iterator[tuple[int, str]]:
+    """The string constants of a module, but for the values of a `Literal[...]` (a type spells its values;
+    tests/operator/test_scheduling.py checks the CRD's against the contract)."""
+    tree = ast.parse(path.read_text())
+    typed = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Literal"
+        for inner in ast.walk(node.slice)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in typed:
+            yield node.lineno, node.value
+
+
+_ERROR_TYPES = {openai_errors.error_type(status) for status in range(400, 600)} | {"not_found_error"}
+_RFC3339 = re.compile(r"%Y-%m-%dT%H:%M:%S(\.%f)?Z")
+
+
+def _error_type(s: str) -> bool:
+    return s in _ERROR_TYPES
+
+
+def _time_format(s: str) -> bool:  # a strftime format, or the "Z" -> "+00:00" of a parser
+    return bool(_RFC3339.search(s)) or s == "+00:00"
+
+
+def _binary_suffix(s: str) -> bool:  # Ki, Mi, Gi ...
+    return len(s) == 2 and s in quantity.SUFFIXES
+
+
+def _disconnect(s: str) -> bool:
+    return s == "http.disconnect"
+
+
+def _policy(s: str) -> bool:  # the benchmarks name their runs by policy (NOT_CONTRACT_CODE)
+    return s == contract.SCHEDULING_FCFS
+
+
+# What two parts need, written once: its one home, what it is, how a copy shows, and where it may show.
+ONE_HOME: list[tuple[str, str, Callable[[str], bool], tuple[str, ...]]] = [
+    ("src/flotilla/openai_errors.py", "an OpenAI error type", _error_type, ()),
+    ("src/flotilla/timestamps.py", "an RFC 3339 time's format", _time_format, ()),
+    ("src/flotilla/quantity.py", "a Kubernetes quantity's binary suffix", _binary_suffix, ()),
+    ("src/flotilla/disconnect.py", "the ASGI disconnect message", _disconnect, ()),
+    ("src/flotilla/contract.py", "a scheduling policy's name", _policy, NOT_CONTRACT_CODE),
+]
+
+
+@pytest.mark.parametrize(
+    ("home", "what", "spells", "exempt"), ONE_HOME, ids=[r[2].__name__ for r in ONE_HOME]
+)
+def test_what_two_parts_need_is_written_once(
+    home: str, what: str, spells: Callable[[str], bool], exempt: tuple[str, ...]
+) -> None:
+    """The OpenAI error body, Kubernetes quantities, RFC 3339 times, the client-disconnect race and the
+    scheduling policies each have one home; a second copy (one once disagreed with the first) fails here."""
+    copies = []
+    for _, path in _modules():
+        where = str(path.relative_to(ROOT))
+        if where == home or (exempt and where.startswith(exempt)):
+            continue
+        copies += [f"{where}:{line} {value!r}" for line, value in _strings(path) if spells(value)]
+    assert not copies, f"{what} spelled outside {home}:\n" + "\n".join(copies)
 
 
 def test_installed_code_never_looks_for_the_checkout() -> None:

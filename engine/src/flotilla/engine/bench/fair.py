@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from flotilla.contract import SCHEDULING_POLICIES
 from flotilla.engine.bench.fair_figures import (
     LOUD,
     QUIET,
@@ -276,9 +277,9 @@ def run_bench_fair(args: argparse.Namespace) -> int:
                 )
             )  # fmt: skip
 
-        unknown = [p for p in policies if p not in ("fcfs", "priority", "fair")]
+        unknown = [p for p in policies if p not in SCHEDULING_POLICIES]
         if unknown:
-            raise ValueError(f"--policies: unknown policy {unknown[0]!r} (fcfs, priority or fair)")
+            raise ValueError(f"--policies: unknown policy {unknown[0]!r} ({', '.join(SCHEDULING_POLICIES)})")
         engine = make_engine("fcfs")
         if input_len[1] >= engine.max_model_len:
             raise ValueError(

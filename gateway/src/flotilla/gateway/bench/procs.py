@@ -177,13 +177,6 @@ def get_text(url: str, timeout: float = 10.0) -> str:
         return rsp.read().decode(errors="replace")
 
 
-def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"}, method="POST")  # fmt: skip
-    with _OPENER.open(request, timeout=timeout) as rsp:
-        return json.loads(rsp.read())
-
-
 def stop_all(procs: Iterable[Proc]) -> None:
     """Stops every started process, the last started first; never raises."""
     for proc in reversed(list(procs)):
