@@ -4,10 +4,11 @@ saying why), each in a fresh engine loaded the way `flotilla engine serve` loads
 
 - bytes: the quantized layers' bytes (weights, scales and zeros: model/quantize.py's helpers) over the same
   weights in bfloat16, next to the issue's targets (int8 <= 0.55, int4 <= 0.30), and the whole model's;
-- perplexity on held-out text of the trained presets' corpus (model/corpus.py `held_out_documents`): each
-  document as training saw it (`<s> tokens </s>`), one forward of the engine's own model over the whole
-  sequence (prefill attention metadata over a KV cache of its own, so the engine's is left alone), the
-  LM head on every row; exp of the mean negative log-likelihood of every token after the first;
+- perplexity on held-out text of the trained presets' corpus (model/synthetic/corpus.py
+  `held_out_documents`): each document as training saw it (`<s> tokens </s>`), one forward of the engine's
+  own model over the whole sequence (prefill attention metadata over a KV cache of its own, so the
+  engine's is left alone), the LM head on every row; exp of the mean negative log-likelihood of every
+  token after the first;
 - greedy agreement with the float model: `--agreement-tokens` greedy tokens (ignore_eos) for each of
   `--agreement-prompts` prompts (`corpus.sample_prompts`) through `LLMEngine.generate`, against the float
   engine's tokens for the same prompts: the share of positions that match before each prompt's first
@@ -46,9 +47,9 @@ from flotilla.engine.bench.setup import json_safe
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.engine_args import positive_count, positive_counts
-from flotilla.engine.model import corpus
 from flotilla.engine.model.config import ModelConfig, check_quantization
-from flotilla.engine.model.presets import CORPUS_SEED, TRAINING_RECORD
+from flotilla.engine.model.synthetic import corpus
+from flotilla.engine.model.synthetic.presets import CORPUS_SEED, TRAINING_RECORD
 
 if TYPE_CHECKING:
     import torch

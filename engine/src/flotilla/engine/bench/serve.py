@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from flotilla.engine.model.presets import training_corpus
+from flotilla.engine.model.synthetic.presets import training_corpus
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:

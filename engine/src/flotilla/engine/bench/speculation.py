@@ -29,7 +29,7 @@ from flotilla.engine.bench.speculation_figures import format_report, plot, verdi
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.engine_args import positive_count, positive_counts
-from flotilla.engine.model import corpus
+from flotilla.engine.model.synthetic import corpus
 
 KV_CACHE_BYTES = 128 << 20
 
