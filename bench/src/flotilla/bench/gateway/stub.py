@@ -1,7 +1,7 @@
 """An OpenAI upstream that answers at once, for the gateway's throughput ceiling (`bench overhead`): the
 engine is far slower than the gateway, so behind a real one the gateway's own limit never shows.
 
-`python -m flotilla.gateway.bench.stub --port P`: plain asyncio (no framework to cost time), keep-alive
+`python -m flotilla.bench.gateway.stub --port P`: plain asyncio (no framework to cost time), keep-alive
 HTTP/1.1; `/v1/completions` and `/v1/chat/completions` answer a fixed JSON body, /health 200, everything
 else (the tokenizer, /metrics) 404, so the gateway routes by load alone."""
 

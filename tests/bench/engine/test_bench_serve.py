@@ -34,7 +34,7 @@ def added(before: list[tuple[float, float]], after: list[tuple[float, float]]) -
 
 
 def test_bench_counts_match_the_server_and_no_client_ttft_undercuts_it(server):
-    from flotilla.engine.bench.serve import run_benchmark
+    from flotilla.bench.engine.serve import run_benchmark
 
     requests, output_len = 24, 6
     before = histograms(server.url)

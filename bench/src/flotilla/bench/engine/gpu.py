@@ -2,7 +2,7 @@
 an H200, written to DIR/gpu-check.json (after every check, so a failure keeps what came before) and
 DIR/gpu-check.png (each ratio against its target).
 
-The checks, in order, each with a time budget (the sizes are in the JSON; bench/gpu_figures.py has them):
+The checks, in order, each with a time budget (the sizes are in the JSON; gpu_figures.py has them):
 1. copy_bandwidth: a device-to-device copy of 1 GiB, bytes read plus written over the median time: the
    ceiling the two bandwidth figures are measured against.
 2. kernels: the Triton kernels (decode over GQA ratios 1/3/4/8, head dims 64/128, blocks 16/32, ragged
@@ -10,12 +10,12 @@ The checks, in order, each with a time budget (the sizes are in the JSON; bench/
    reference on the device, in float16 and bfloat16: max abs error and pass/fail per case.
 3. decode_attention_bandwidth: the decode kernel over 64 requests of 4096 tokens (and three other shapes):
    KV + q + out bytes over the median time, over the copy bandwidth. Target >= 0.80.
-4. model: the random ~1B Llama (bench/gpu_model.py) written to DIR/model once, reused after.
+4. model: the random ~1B Llama (gpu_model.py) written to DIR/model once, reused after.
 5. batch1_decode: the engine (LLMEngine, as `bench offline` builds it) on one request: decode tok/s after
    the first token; weight bytes x tok/s over the copy bandwidth. Target >= 0.70.
 6. throughput_vs_transformers: `bench offline`'s comparison (its workload, run_engine, hf_sequential and
    hf_static_batches) with a fixed output length, plus transformers' generate_batch
-   (bench/hf_generate_batch.py). Target: engine >= 2x generate_batch.
+   (hf_generate_batch.py). Target: engine >= 2x generate_batch.
 
 A check that fails is recorded with its error and the run goes on; the exit status is 1 when any check
 failed, 0 otherwise (targets are reported, not asserted). `--quick --device cpu` runs the same code with
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from flotilla.engine.bench.gpu_figures import FULL, QUICK, Sizes, print_summary, ratio, verdicts
+from flotilla.bench.engine.gpu_figures import FULL, QUICK, Sizes, print_summary, ratio, verdicts
 
 JSON_NAME = "gpu-check.json"
 PNG_NAME = "gpu-check.png"
@@ -96,7 +96,7 @@ class GpuRun:
     def copy_gb_per_s(self) -> float:
         """The copy bandwidth: check 1's figure, or measured now when that check did not run."""
         if self.copy is None:
-            from flotilla.engine.bench.gpu_kernels import measure_copy_bandwidth
+            from flotilla.bench.engine.gpu_kernels import measure_copy_bandwidth
 
             s = self.sizes
             figures = measure_copy_bandwidth(self.device, s.copy_bytes, s.warmup, s.repeats, s.inner)
@@ -133,7 +133,7 @@ class GpuRun:
 
 # -- the checks ----------------------------------------------------------------------------------------
 def check_copy_bandwidth(run: GpuRun, fig: dict[str, Any]) -> str:
-    from flotilla.engine.bench.gpu_kernels import measure_copy_bandwidth
+    from flotilla.bench.engine.gpu_kernels import measure_copy_bandwidth
 
     s = run.sizes
     fig.update(measure_copy_bandwidth(run.device, s.copy_bytes, s.warmup, s.repeats, s.inner))
@@ -142,7 +142,7 @@ def check_copy_bandwidth(run: GpuRun, fig: dict[str, Any]) -> str:
 
 
 def check_kernels(run: GpuRun, fig: dict[str, Any]) -> str:
-    from flotilla.engine.bench import gpu_kernels as gk
+    from flotilla.bench.engine import gpu_kernels as gk
 
     reason = gk.triton_skip_reason(run.device.type)
     if reason:
@@ -194,7 +194,7 @@ def check_kernels(run: GpuRun, fig: dict[str, Any]) -> str:
 
 
 def check_decode_attention_bandwidth(run: GpuRun, fig: dict[str, Any]) -> str:
-    from flotilla.engine.bench import gpu_kernels as gk
+    from flotilla.bench.engine import gpu_kernels as gk
 
     reason = gk.triton_skip_reason(run.device.type)
     if reason:
@@ -225,7 +225,7 @@ def check_decode_attention_bandwidth(run: GpuRun, fig: dict[str, Any]) -> str:
 
 
 def write_model(run: GpuRun, fig: dict[str, Any]) -> Path:
-    from flotilla.engine.bench.gpu_model import LLAMA_1B, LLAMA_TINY, parameter_count, write_random_llama
+    from flotilla.bench.engine.gpu_model import LLAMA_1B, LLAMA_TINY, parameter_count, write_random_llama
 
     shape = LLAMA_TINY if run.quick else LLAMA_1B
     folder, reused = write_random_llama(run.out / MODEL_DIR, shape, seed=run.args.seed, device=str(run.device),
@@ -253,7 +253,7 @@ def _engine_facts(engine) -> dict[str, Any]:
 
 def timed_request(engine, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """One request alone: the time of each output token as the step loop hands it over."""
-    from flotilla.engine.bench.gpu_figures import decode_tokens_per_s
+    from flotilla.bench.engine.gpu_figures import decode_tokens_per_s
     from flotilla.engine.core.sampling_params import SamplingParams
 
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
@@ -275,8 +275,8 @@ def timed_request(engine, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 def check_batch1_decode(run: GpuRun, fig: dict[str, Any]) -> str:
     import statistics
 
-    from flotilla.engine.bench.gpu_figures import bandwidth_utilization
-    from flotilla.engine.bench.offline import make_workload
+    from flotilla.bench.engine.gpu_figures import bandwidth_utilization
+    from flotilla.bench.engine.offline import make_workload
 
     s = run.sizes
     copy = run.copy_gb_per_s()
@@ -321,7 +321,7 @@ def check_cuda_graphs(run: GpuRun, fig: dict[str, Any]) -> str:
     """Greedy tokens of a batch (5 requests: decode steps padded to the graph of 8) and of one request,
     with decode graphs and with --enforce-eager: identical, or the check fails. Batch-1 decode rate each
     way. Off CUDA no graph is captured: the graph path's buffers and padding run eagerly instead."""
-    from flotilla.engine.bench.offline import make_workload
+    from flotilla.bench.engine.offline import make_workload
     from flotilla.engine.core.sampling_params import SamplingParams
 
     s = run.sizes
@@ -373,8 +373,8 @@ def load_hf_model(folder: Path, dtype_name: str, device):
 
 
 def check_throughput_vs_transformers(run: GpuRun, fig: dict[str, Any]) -> str:
-    from flotilla.engine.bench.hf_generate_batch import hf_generate_batch
-    from flotilla.engine.bench.offline import (
+    from flotilla.bench.engine.hf_generate_batch import hf_generate_batch
+    from flotilla.bench.engine.offline import (
         Workload,
         hf_sequential,
         hf_static_batches,
@@ -557,7 +557,7 @@ def run_bench_gpu(args: argparse.Namespace) -> int:
         write_json(json_path, report)
     png_path = out / PNG_NAME
     try:
-        from flotilla.engine.bench.gpu_figures import plot
+        from flotilla.bench.engine.gpu_figures import plot
 
         plot(report, str(png_path))
         report["png"] = str(png_path)

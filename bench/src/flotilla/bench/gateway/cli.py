@@ -1,5 +1,6 @@
 """The flags of `flotilla gateway bench routing|overhead`. Import-light (argparse and the contract): the
-benchmarks themselves load inside the command functions."""
+benchmarks themselves load inside the command functions. The root CLI attaches `configure` under
+`flotilla gateway` when this distribution is installed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ gateway's predicted hit share, and round robin's TTFT p95 over prefix's against 
 OVERHEAD_DOC = """The gateway's added latency (the same small completions, sequentially, straight to one engine
 and through the gateway, in alternating blocks) against the target (p50 <= 2 ms), and its throughput
 ceiling on one core (closed loop through the gateway, pinned to one CPU, to a stub that answers at once)."""
+
+
+def configure(bench: argparse.ArgumentParser) -> None:
+    """Fills `flotilla gateway bench`: one subcommand per benchmark."""
+    add_bench_commands(bench.add_subparsers(dest="bench", metavar="BENCH", required=True))
 
 
 def add_bench_commands(benches: argparse._SubParsersAction) -> None:
@@ -84,12 +90,12 @@ def _policies(text: str) -> tuple[str, ...]:
 
 
 def _routing(args: argparse.Namespace) -> int:
-    from flotilla.gateway.bench.routing import run_routing
+    from flotilla.bench.gateway.routing import run_routing
 
     return run_routing(args)
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from flotilla.gateway.bench.overhead import run_overhead
+    from flotilla.bench.gateway.overhead import run_overhead
 
     return run_overhead(args)

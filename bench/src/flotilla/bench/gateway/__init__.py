@@ -7,6 +7,6 @@ Everything runs as subprocesses of the benchmark (engines, the gateway, the stub
 - `workload` pure: the shared-prefix multi-turn chat workload of `routing`
 - `procs`    starting, health-waiting and stopping the subprocesses; free ports; CPU pinning
 - `rawhttp`  a minimal keep-alive HTTP/1.1 client (the overhead runs: cheaper than httpx per request)
-- `stub`     an upstream that answers at once (`python -m flotilla.gateway.bench.stub`)
+- `stub`     an upstream that answers at once (`python -m flotilla.bench.gateway.stub`)
 - `routing`, `overhead`  the two benchmarks; `cli` their flags (argparse only: import-light)
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from flotilla.engine.bench.speculation_figures import format_report, verdicts
+from flotilla.bench.engine.speculation_figures import format_report, verdicts
 
 
 def test_the_report_compares_each_method_with_none(tiny_preset, tmp_path, capsys):

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from flotilla.engine.bench.quantization import plan_methods
-from flotilla.engine.bench.quantization_figures import (
+from flotilla.bench.engine.quantization import plan_methods
+from flotilla.bench.engine.quantization_figures import (
     BYTES_TARGETS,
     format_report,
     greedy_agreement,

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from flotilla.engine.bench.fair import make_schedule
-from flotilla.engine.bench.fair_figures import (
+from flotilla.bench.engine.fair import make_schedule
+from flotilla.bench.engine.fair_figures import (
     RequestRecord,
     compare,
     jain_index,

@@ -1,4 +1,4 @@
-"""The figures of `flotilla engine bench offline --report quantization` (bench/quantization.py runs the
+"""The figures of `flotilla engine bench offline --report quantization` (quantization.py runs the
 engines): the byte targets, greedy agreement, the printed table and the PNG. Pure but for the plot; no
 torch."""
 

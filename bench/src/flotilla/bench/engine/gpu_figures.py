@@ -1,4 +1,4 @@
-"""The sizes, targets and figures of `flotilla engine bench gpu` (bench/gpu.py runs the checks): what each
+"""The sizes, targets and figures of `flotilla engine bench gpu` (gpu.py runs the checks): what each
 check runs at full size (an H200, within ten minutes) and with --quick (a CPU smoke run), the
 bandwidth arithmetic, the verdicts against the issue's targets, the printed summary and the PNG. Pure but
 for the plot; no torch."""
@@ -68,7 +68,7 @@ class Sizes:
     store_tokens: int
     # decode attention bandwidth: the first shape is the headline
     attention: tuple[AttentionShape, ...]
-    # the model (bench/gpu_model.py) and the engine runs
+    # the model (gpu_model.py) and the engine runs
     model: str
     batch1_prompt_len: int
     batch1_output_len: int

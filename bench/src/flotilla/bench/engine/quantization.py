@@ -35,15 +35,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flotilla.contract import DEFAULT_QUANTIZATION_GROUP_SIZE, QUANTIZATION_GROUP_SIZES
-from flotilla.engine.bench.quantization_figures import (
+from flotilla.bench.engine.quantization_figures import (
     bytes_verdict,
     format_report,
     greedy_agreement,
     method_name,
     plot,
 )
-from flotilla.engine.bench.setup import json_safe
+from flotilla.bench.engine.setup import json_safe
+from flotilla.contract import DEFAULT_QUANTIZATION_GROUP_SIZE, QUANTIZATION_GROUP_SIZES
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.engine_args import positive_count, positive_counts
@@ -143,7 +143,7 @@ def layer_bytes(engine: LLMEngine) -> dict[str, Any]:
     bytes), and the whole model's weights against the model in bfloat16."""
     import torch
 
-    from flotilla.engine.bench.offline import quantized_layer_bytes
+    from flotilla.bench.engine.offline import quantized_layer_bytes
 
     info = engine.model_info
     if info.quantization == "none":

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from flotilla.engine.bench.gpu_figures import AttentionShape, KernelShape
+from flotilla.bench.engine.gpu_figures import AttentionShape, KernelShape
 from flotilla.engine.kernels import attention
 
 # (atol, rtol) against the fp32 reference: a few units in the last place of the output dtype.

@@ -32,7 +32,7 @@ def test_bench_offline_writes_its_figures(hf_models, tmp_path, capsys):
 def test_bad_ranges_are_rejected():
     import pytest
 
-    from flotilla.engine.bench.offline import parse_range
+    from flotilla.bench.engine.offline import parse_range
 
     assert parse_range("3:9") == (3, 9) and parse_range("5") == (5, 5)
     for bad in ("9:3", "x:1", "0:4"):

@@ -32,6 +32,29 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from flotilla.bench.gateway.figures import (
+    ChatRecord,
+    compare_policies,
+    deltas,
+    format_routing,
+    json_safe,
+    routing_summary,
+    sample_by_label,
+    sample_sum,
+)
+from flotilla.bench.gateway.procs import (
+    Proc,
+    StartupError,
+    engine_argv,
+    ensure_model,
+    free_ports,
+    gateway_argv,
+    model_context,
+    progress,
+    stop_all,
+    wait_healthy,
+)
+from flotilla.bench.gateway.workload import Workload, chat_messages, make_workload, words
 from flotilla.contract import (
     GATEWAY_PREDICTED_HIT_TOKENS,
     GATEWAY_PROMPT_TOKENS,
@@ -44,29 +67,6 @@ from flotilla.contract import (
     REQUEST_SUCCESS,
     counter_total,
 )
-from flotilla.gateway.bench.figures import (
-    ChatRecord,
-    compare_policies,
-    deltas,
-    format_routing,
-    json_safe,
-    routing_summary,
-    sample_by_label,
-    sample_sum,
-)
-from flotilla.gateway.bench.procs import (
-    Proc,
-    StartupError,
-    engine_argv,
-    ensure_model,
-    free_ports,
-    gateway_argv,
-    model_context,
-    progress,
-    stop_all,
-    wait_healthy,
-)
-from flotilla.gateway.bench.workload import Workload, chat_messages, make_workload, words
 
 SERVED_NAME = "tiny"
 PROGRESS_EVERY_S = 5.0

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from flotilla.engine.bench.fair_figures import (
+from flotilla.bench.engine.fair_figures import (
     LOUD,
     QUIET,
     RequestRecord,
@@ -54,8 +54,8 @@ from flotilla.engine.bench.fair_figures import (
     plot,
     summarize,
 )
-from flotilla.engine.bench.offline import parse_range
-from flotilla.engine.bench.setup import engine_header, json_safe
+from flotilla.bench.engine.offline import parse_range
+from flotilla.bench.engine.setup import engine_header, json_safe
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.engine_args import parse_bytes, thread_count

@@ -9,6 +9,22 @@ from pathlib import Path
 
 import pytest
 
+from flotilla.bench.gateway.figures import (
+    ChatRecord,
+    compare_policies,
+    distribution,
+    format_routing,
+    json_safe,
+    overhead_summary,
+    percentile,
+    routing_summary,
+    sample_by_label,
+    sample_sum,
+    throughput_summary,
+)
+from flotilla.bench.gateway.procs import PYTHON_CLI, engine_argv, gateway_argv
+from flotilla.bench.gateway.stub import answer
+from flotilla.bench.gateway.workload import chat_messages, longest_prompt_words, make_workload
 from flotilla.cli import build_parser
 from flotilla.contract import (
     ENGINE_SERVE,
@@ -22,22 +38,6 @@ from flotilla.contract import (
     PREFIX_CACHE_HITS,
     counter_total,
 )
-from flotilla.gateway.bench.figures import (
-    ChatRecord,
-    compare_policies,
-    distribution,
-    format_routing,
-    json_safe,
-    overhead_summary,
-    percentile,
-    routing_summary,
-    sample_by_label,
-    sample_sum,
-    throughput_summary,
-)
-from flotilla.gateway.bench.procs import PYTHON_CLI, engine_argv, gateway_argv
-from flotilla.gateway.bench.stub import answer
-from flotilla.gateway.bench.workload import chat_messages, longest_prompt_words, make_workload
 
 
 def test_percentile_interpolates_like_numpy() -> None:

@@ -1,4 +1,4 @@
-"""transformers' own continuous batching, `model.generate_batch`, over a bench workload (bench/offline.py's
+"""transformers' own continuous batching, `model.generate_batch`, over a bench workload (offline.py's
 Workload), greedy with no end-of-sequence token, so each request runs to its output length.
 
 generate_batch takes one `max_new_tokens` for all its prompts, so requests are run in groups of one output

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flotilla.bench.engine.speculation_figures import format_report, plot, verdicts
 from flotilla.contract import DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
-from flotilla.engine.bench.speculation_figures import format_report, plot, verdicts
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.engine_args import positive_count, positive_counts

@@ -1,4 +1,4 @@
-"""The figures of `flotilla engine bench fair` (how they are defined: see bench/fair.py's docstring):
+"""The figures of `flotilla engine bench fair` (how they are defined: see fair.py's docstring):
 per-request records, percentiles, Jain's index over max-min fair shares, the per-policy summary, the
 comparison against the issue's targets, the printed report and the TTFT plot. Pure but for the plot."""
 

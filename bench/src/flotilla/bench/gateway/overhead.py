@@ -7,12 +7,12 @@
    the gateway's percentile minus the direct one, per percentile; the target is p50 <= 2 ms. The gateway's
    own figure (its added-latency histogram: arrival to upstream send, mean) is reported beside it.
 2. Throughput ceiling. The gateway, pinned to one CPU (os.sched_setaffinity in the child), in front of a
-   stub upstream that answers at once (bench/stub.py; the engine would be the bottleneck); `--concurrency`
+   stub upstream that answers at once (stub.py; the engine would be the bottleneck); `--concurrency`
    closed-loop clients on their own keep-alive connections for `--duration` seconds: requests/s. The
    client and the stub run on the other CPUs; the same loop straight to the stub shows the ceiling of the
    client and stub themselves, which must be well above the gateway's for the figure to be the gateway's.
 
-Both use a minimal HTTP client (bench/rawhttp.py) so the client's own cost stays small.
+Both use a minimal HTTP client (rawhttp.py) so the client's own cost stays small.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flotilla.contract import FLAG_PORT, GATEWAY_ADDED_LATENCY, METRICS_PATH, OPENAI_PATH
-from flotilla.gateway.bench.figures import (
+from flotilla.bench.gateway.figures import (
     distribution,
     json_safe,
     overhead_summary,
@@ -35,7 +34,7 @@ from flotilla.gateway.bench.figures import (
     sample_sum,
     throughput_summary,
 )
-from flotilla.gateway.bench.procs import (
+from flotilla.bench.gateway.procs import (
     HOST,
     Proc,
     StartupError,
@@ -49,7 +48,8 @@ from flotilla.gateway.bench.procs import (
     stop_all,
     wait_healthy,
 )
-from flotilla.gateway.bench.rawhttp import Connection, HTTPError
+from flotilla.bench.gateway.rawhttp import Connection, HTTPError
+from flotilla.contract import FLAG_PORT, GATEWAY_ADDED_LATENCY, METRICS_PATH, OPENAI_PATH
 
 ENGINE_MODEL, STUB_MODEL = "tiny", "stub"
 PROMPT = "Hello, my name is"
@@ -83,7 +83,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     engine_port, stub_port, gateway_port = free_ports(3)
     engine = Proc("engine", engine_argv(model, ENGINE_MODEL, engine_port, None, args.threads), engine_port,
                   out / "overhead-engine.log")  # fmt: skip
-    stub = Proc("stub", [sys.executable, "-m", "flotilla.gateway.bench.stub", FLAG_PORT, str(stub_port)], stub_port,
+    stub = Proc("stub", [sys.executable, "-m", "flotilla.bench.gateway.stub", FLAG_PORT, str(stub_port)], stub_port,
                 out / "overhead-stub.log", cpus=others)  # fmt: skip
     models = {ENGINE_MODEL: [engine.url], STUB_MODEL: [stub.url]}
     gateway = Proc("gateway", gateway_argv(models, args.routing, gateway_port), gateway_port,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from flotilla.engine.bench.compute_limit import (
+from flotilla.bench.engine.compute_limit import (
     CATEGORIES,
     ProfileRow,
     attention_flops_per_token,

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from flotilla.engine.bench import gpu
-from flotilla.engine.bench.gpu_figures import (
+from flotilla.bench.engine import gpu
+from flotilla.bench.engine.gpu_figures import (
     FULL,
     QUICK,
     bandwidth_utilization,
@@ -21,9 +21,9 @@ from flotilla.engine.bench.gpu_figures import (
     verdict,
     verdicts,
 )
-from flotilla.engine.bench.gpu_kernels import decode_bytes, dtype_skip_reason, gb_per_s, triton_skip_reason
-from flotilla.engine.bench.gpu_model import LLAMA_1B, LLAMA_TINY, parameter_count, write_random_llama
-from flotilla.engine.bench.hf_generate_batch import active_span, group_by_output_len
+from flotilla.bench.engine.gpu_kernels import decode_bytes, dtype_skip_reason, gb_per_s, triton_skip_reason
+from flotilla.bench.engine.gpu_model import LLAMA_1B, LLAMA_TINY, parameter_count, write_random_llama
+from flotilla.bench.engine.hf_generate_batch import active_span, group_by_output_len
 
 CHECK_NAMES = [c.name for c in gpu.CHECKS]
 

@@ -1,5 +1,5 @@
 """`flotilla engine bench offline`: throughput against transformers, the compute-limit ratio and a step's
-breakdown (bench/compute_limit.py), KV-slot utilization, sequences per KV budget, prefix-cache TTFT and the
+breakdown (compute_limit.py), KV-slot utilization, sequences per KV budget, prefix-cache TTFT and the
 scheduler's cost per step. Prints figures; asserts nothing.
 
 Throughput (`tokens_per_s`) counts output tokens only, here and in the compute-limit ratio."""
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flotilla.engine.bench.setup import engine_header
+from flotilla.bench.engine.setup import engine_header
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager, cdiv
 from flotilla.engine.core.request import Request
@@ -220,8 +220,8 @@ def scheduler_step_cost(
 
 def measure_compute_limit(engine, work: Workload, run: dict[str, Any]) -> dict[str, Any]:
     """The matmul rate of the engine's own linear layers (its dtype, the run's threads) and the run's
-    output tokens per second against the limit it sets (bench/compute_limit.py says what counts)."""
-    from flotilla.engine.bench.compute_limit import (
+    output tokens per second against the limit it sets (compute_limit.py says what counts)."""
+    from flotilla.bench.engine.compute_limit import (
         compute_limit,
         mean_decode_context,
         measure_matmul,
@@ -253,7 +253,7 @@ def quantized_layer_bytes(engine) -> dict[str, Any]:
 def run_offline(args) -> int:
     import torch
 
-    from flotilla.engine.bench.compute_limit import profile_steps
+    from flotilla.bench.engine.compute_limit import profile_steps
     from flotilla.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads) if args.threads else None
