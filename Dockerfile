@@ -48,7 +48,6 @@ ENV PATH=/opt/flotilla/bin:$PATH \
     TRITON_HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/.triton/cache \
     CUDA_CACHE_PATH=/tmp/.nv/ComputeCache \
-    MPLCONFIGDIR=/tmp/.config/matplotlib \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /tmp
 USER 65532:65532

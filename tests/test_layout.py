@@ -1,6 +1,7 @@
 """The layout's promises: a file's path is its import path, the operator needs no torch, the contract is
 stdlib-only and is the one place its names are spelled, what two parts need is written once (in the root
-distribution), and installed code never looks for the checkout."""
+distribution), installed code never looks for the checkout, and the benchmarks (flotilla-bench) are the
+products' users, never their parts."""
 
 from __future__ import annotations
 
@@ -18,8 +19,18 @@ import pytest
 from flotilla import contract, disconnect, openai_errors, ownership, quantity, timestamps
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = [ROOT / "src", ROOT / "engine" / "src", ROOT / "operator" / "src", ROOT / "gateway" / "src"]
+SOURCE_ROOTS = [
+    ROOT / "src",
+    ROOT / "engine" / "src",
+    ROOT / "operator" / "src",
+    ROOT / "gateway" / "src",
+    ROOT / "bench" / "src",
+]
 HEAVY = ("torch", "triton", "transformers")
+# The distributions that run in production (the images install some of them); flotilla-bench is the other.
+PRODUCTS = [".", "engine", "operator", "gateway"]
+PLOTTING = ("matplotlib",)
+BENCH = "flotilla.bench"
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -41,13 +52,13 @@ def test_every_file_imports_under_the_name_its_path_says() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_flotilla_is_a_namespace_package_shared_by_four_distributions() -> None:
+def test_flotilla_is_a_namespace_package_shared_by_five_distributions() -> None:
     assert not any((root / "flotilla" / "__init__.py").exists() for root in SOURCE_ROOTS)
     names = {
         tomllib.loads((d / "pyproject.toml").read_text())["project"]["name"]
-        for d in (ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway")
+        for d in (ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway", ROOT / "bench")
     }
-    assert names == {"flotilla", "flotilla-engine", "flotilla-operator", "flotilla-gateway"}
+    assert names == {"flotilla", "flotilla-engine", "flotilla-operator", "flotilla-gateway", "flotilla-bench"}
 
 
 @pytest.mark.parametrize("project", [".", "operator", "gateway"])
@@ -57,10 +68,84 @@ def test_the_operator_and_gateway_declare_no_torch_triton_or_transformers(projec
     assert not [name for name in HEAVY if name in declared]
 
 
+@pytest.mark.parametrize("project", PRODUCTS)
+def test_no_product_declares_matplotlib(project: str) -> None:
+    """Plotting is the benchmarks': only flotilla-bench declares matplotlib."""
+    meta = tomllib.loads((ROOT / project / "pyproject.toml").read_text())["project"]
+    declared = " ".join(meta["dependencies"]).lower()
+    assert not [name for name in PLOTTING if name in declared]
+    bench = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())["project"]
+    assert all(name in " ".join(bench["dependencies"]).lower() for name in PLOTTING)
+
+
+def test_the_root_modules_never_import_the_benchmarks() -> None:
+    """What import-linter checks of the product packages (.importlinter), for the root distribution's own
+    modules (import-linter takes only packages as roots): none imports flotilla.bench. The CLI names the
+    benchmarks' command modules only as strings, for importlib."""
+    offenders = []
+    for path in sorted((ROOT / "src" / "flotilla").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+                for name in names
+                if name == BENCH or name.startswith(BENCH + ".")
+            ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_without_the_benchmarks_every_product_module_imports_and_bench_says_where_they_are() -> None:
+    """In a process where flotilla.bench cannot be imported (the images: flotilla-bench is not installed),
+    every product module imports, and each group's `bench` command, whatever its arguments, says in one line
+    that the benchmarks are in flotilla-bench and how to install it."""
+    names = [n for n, _ in _modules() if not n.startswith(BENCH)]
+    script = f"""
+import contextlib, importlib, importlib.abc, io, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == {BENCH!r} or name.startswith({BENCH!r} + "."):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+for name in {names!r}:
+    importlib.import_module(name)
+from flotilla.cli import main
+for argv in (["engine", "bench"], ["engine", "bench", "serve", "--url", "http://x"], ["gateway", "bench", "routing"],
+             ["operator", "bench", "--services", "5"], ["engine", "bench", "--help"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    lines = err.getvalue().splitlines()
+    assert code == 2 and len(lines) == 1, (argv, code, lines)
+    assert lines[0].startswith(f"flotilla {{argv[0]}} bench: "), lines
+    assert "flotilla-bench" in lines[0] and "pip install -e bench" in lines[0], lines
+assert not [m for m in sys.modules if m.startswith({BENCH!r})]
+print(len({names!r}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout) == len(names) > 50
+
+
+def test_with_the_benchmarks_each_group_has_its_bench_commands() -> None:
+    """With flotilla-bench installed (as `make install` does), the root CLI attaches each group's benchmarks."""
+    from flotilla.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["engine", "bench", "serve", "--url", "http://x"], ["gateway", "bench", "overhead"],
+                 ["operator", "bench", "--services", "5"]):  # fmt: skip
+        args = parser.parse_args(argv)
+        assert callable(args.func) and args.func.__module__.startswith(f"{BENCH}.{argv[0]}."), argv
+
+
 def test_the_operator_gateway_and_cli_import_where_torch_cannot() -> None:
-    """Every operator, gateway, cluster and CLI module imports in a process where torch, triton and transformers
-    raise ImportError, as in the operator's image."""
-    names = [n for n, _ in _modules() if not n.startswith("flotilla.engine")]
+    """Every operator, gateway, cluster and CLI module, and the gateway's and the operator's benchmarks,
+    imports in a process where torch, triton and transformers raise ImportError, as in the operator's image."""
+    names = [n for n, _ in _modules() if not n.startswith(("flotilla.engine", "flotilla.bench.engine"))]
     script = f"""
 import importlib, importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -114,11 +199,11 @@ def _contract_strings() -> dict[str, str]:
     return values
 
 
-# The benchmarks declare flags of their own (other defaults, other meanings), not the contract's.
-NOT_CONTRACT_CODE = ("engine/src/flotilla/engine/bench/", "engine/src/flotilla/engine/cmd/engine.py")
+# The engine's benchmarks declare flags of their own (other defaults, other meanings), not the contract's.
+NOT_CONTRACT_CODE = ("bench/src/flotilla/bench/engine/",)
 
 
-def test_engine_operator_and_gateway_spell_no_contract_name_themselves() -> None:
+def test_engine_operator_gateway_and_bench_spell_no_contract_name_themselves() -> None:
     """Metric names, flags, environment variables and paths come from flotilla.contract, never copied."""
     spelled = _contract_strings()
     copies = []

@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-from flotilla.engine.model import corpus, presets, train
-from flotilla.engine.model.presets import PRESETS, TRAINED_PRESETS, build_tokenizer
+from flotilla.engine.model.synthetic import corpus, presets, train
+from flotilla.engine.model.synthetic.presets import PRESETS, TRAINED_PRESETS, build_tokenizer
 
 from .test_hf_parity import check_against_hf, make_engine
 
