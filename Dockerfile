@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# Flotilla's images, one target per component (docs/architecture.md, README "Images"):
+# Flotilla's images, one target per component (docs/architecture.md, docs/install.md "Images"):
 #   docker build --target engine   -t ghcr.io/flotilla-dev/flotilla-engine:0.1.0 .
 #       `flotilla engine serve` and `flotilla model fetch`: flotilla + flotilla-engine, CUDA torch and triton
 #   docker build --target operator -t ghcr.io/flotilla-dev/flotilla-operator:0.1.0 .
