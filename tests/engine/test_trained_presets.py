@@ -1,7 +1,7 @@
 """The trained presets: the synthetic corpus is deterministic and has the structure promised, the trainer
 lowers the loss, its folder loads in the engine and in transformers with the same greedy tokens, and a
 trained preset is trained once and then taken from the cache. Training here is a micro model for a few
-steps; the real presets' three-minute runs are measured by hand (README)."""
+steps; the real presets' three-minute runs are measured by hand (docs/models.md)."""
 
 from __future__ import annotations
 

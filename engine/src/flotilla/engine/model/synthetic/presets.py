@@ -103,7 +103,7 @@ _TRAINED_COMMON: dict[str, Any] = {
     "tokenizer_corpus": "synthetic",
     "tokenizer_vocab": 2048,
 }
-# Sized by measuring on two shared CPU cores (figures in the README): in under three minutes two layers
+# Sized by measuring on two shared CPU cores (figures in docs/models.md): in under three minutes two layers
 # learn to copy names from the prompt (an induction head); four layers, slower per step, had not yet.
 PRESETS["tiny-trained"] = {
     **_TRAINED_COMMON,
