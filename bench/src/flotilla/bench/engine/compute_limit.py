@@ -29,6 +29,7 @@ from typing import Any
 
 from flotilla.engine.kernels.attention import ATTENTION_LABEL
 from flotilla.engine.kernels.linear import ONEDNN_LINEAR_OP
+from flotilla.engine.model import hf_names
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.worker.sampler import SAMPLER_LABEL
 
@@ -37,16 +38,8 @@ from flotilla.engine.worker.sampler import SAMPLER_LABEL
 def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
     """(name, in_features, out_features, uses per token) of each linear layer, fused as the model runs
     them (q/k/v in one matmul, gate/up in one)."""
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    layers = cfg.num_hidden_layers
-    return [
-        ("qkv_proj", cfg.hidden_size, q + 2 * kv, layers),
-        ("o_proj", q, cfg.hidden_size, layers),
-        ("gate_up_proj", cfg.hidden_size, 2 * cfg.intermediate_size, layers),
-        ("down_proj", cfg.intermediate_size, cfg.hidden_size, layers),
-        ("lm_head", cfg.hidden_size, cfg.vocab_size, 1),
-    ]
+    layers = [(hf_names.short(name), k, n, cfg.num_hidden_layers) for name, k, n in cfg.decoder_linears()]
+    return [*layers, (hf_names.LM_HEAD, cfg.hidden_size, cfg.vocab_size, 1)]
 
 
 def model_flops_per_token(cfg: ModelConfig) -> int:
@@ -78,14 +71,8 @@ def mean_decode_context(prompt_lens: Iterable[int], output_lens: Iterable[int]) 
 def model_linears(model, cfg: ModelConfig) -> list[tuple[str, Any, int]]:
     """(name, module, uses per token) of the model's linear layers, the first decoder layer's standing
     for all of them; checked against linear_shapes."""
-    layer = model.model.layers[0]
-    modules = {
-        "qkv_proj": layer.self_attn.qkv_proj,
-        "o_proj": layer.self_attn.o_proj,
-        "gate_up_proj": layer.mlp.gate_up_proj,
-        "down_proj": layer.mlp.down_proj,
-        "lm_head": model.lm_head,
-    }
+    modules = {hf_names.short(name): model.model.get_submodule(name) for name, _, _ in cfg.decoder_linears()}
+    modules[hf_names.LM_HEAD] = model.get_submodule(hf_names.LM_HEAD)
     out = []
     for name, k, n, uses in linear_shapes(cfg):
         module = modules[name]

@@ -17,6 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flotilla.engine.model import hf_names
+from flotilla.engine.model.config import ModelConfig
+
 NOTE = (
     "RANDOM WEIGHTS, written by `flotilla engine bench gpu` to measure the engine; never trained, "
     "produces meaningless text."
@@ -70,27 +73,7 @@ def hf_config(shape: dict[str, Any]) -> dict[str, Any]:
 
 def tensor_shapes(shape: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a Llama of this shape."""
-    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
-    q = shape["num_attention_heads"] * shape["head_dim"]
-    kv = shape["num_key_value_heads"] * shape["head_dim"]
-    out: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (shape["vocab_size"], hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not shape["tie_word_embeddings"]:
-        out["lm_head.weight"] = (shape["vocab_size"], hidden)
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out[p + "self_attn.q_proj.weight"] = (q, hidden)
-        out[p + "self_attn.k_proj.weight"] = (kv, hidden)
-        out[p + "self_attn.v_proj.weight"] = (kv, hidden)
-        out[p + "self_attn.o_proj.weight"] = (hidden, q)
-        out[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        out[p + "mlp.up_proj.weight"] = (inter, hidden)
-        out[p + "mlp.down_proj.weight"] = (hidden, inter)
-        out[p + "input_layernorm.weight"] = (hidden,)
-        out[p + "post_attention_layernorm.weight"] = (hidden,)
-    return out
+    return hf_names.checkpoint_tensors(ModelConfig.from_dict(hf_config(shape)))
 
 
 def parameter_count(shape: dict[str, Any]) -> int:
@@ -123,7 +106,7 @@ def random_weights(shape: dict[str, Any], seed: int, device: str) -> dict[str, A
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, dims in tensor_shapes(shape).items():
-        if name.endswith("norm.weight"):
+        if hf_names.is_norm(name):
             out[name] = torch.ones(dims, dtype=torch.bfloat16)
         else:
             w = torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flotilla.engine.model import hf_names
+from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.synthetic import corpus
 
 RANDOM_WEIGHTS_NOTE = (
@@ -421,40 +423,16 @@ def train_preset(preset_name: str, folder: Path, seed: int = 0, log: Callable[[s
 
 
 def random_weights(config: dict[str, Any], seed: int) -> dict:
-    """Hugging Face tensor names, normal(0, 0.02) like transformers' initialisation, stored in bf16."""
+    """Hugging Face tensor names (hf_names), normal(0, 0.02) like transformers' initialisation and unit
+    norms, stored in bf16; drawn in hf_names.checkpoint_tensors' order, so a seed always gives the same
+    bytes."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    hidden = config["hidden_size"]
-    inter = config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    vocab = config["vocab_size"]
-    qwen2 = config["architectures"][0] == "Qwen2ForCausalLM"
-
-    def normal(*shape):
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
-
-    out = {
-        "model.embed_tokens.weight": normal(vocab, hidden),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-    }
-    if not config["tie_word_embeddings"]:
-        out["lm_head.weight"] = normal(vocab, hidden)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden)
-        out[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden)
-        out[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden)
-        out[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
-        if qwen2:
-            out[p + "self_attn.q_proj.bias"] = normal(heads * head_dim)
-            out[p + "self_attn.k_proj.bias"] = normal(kv_heads * head_dim)
-            out[p + "self_attn.v_proj.bias"] = normal(kv_heads * head_dim)
-        out[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
-        out[p + "mlp.up_proj.weight"] = normal(inter, hidden)
-        out[p + "mlp.down_proj.weight"] = normal(hidden, inter)
-        out[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-        out[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    out = {}
+    for name, shape in hf_names.checkpoint_tensors(ModelConfig.from_dict(config)).items():
+        if hf_names.is_norm(name):
+            out[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            out[name] = (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
     return out

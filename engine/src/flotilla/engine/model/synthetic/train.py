@@ -5,6 +5,17 @@ Llama's parameter names and layout (separate q/k/v and gate/up projections, rota
 the saved `model.safetensors` loads in the engine and in transformers alike. AdamW, linear warm-up then
 cosine decay, a fixed number of steps, on random windows of the documents packed end to end
 (`<s> document </s> <s> ...`). The loss printed is the mean cross-entropy per token, in nats.
+
+Why not the serving model (llama.py's LlamaForCausalLM): its forward is a flat batch of tokens against the
+paged KV cache (batch metadata; each layer stores its keys and values into the cache in place, then
+attends through a backend whose Triton and C kernels have no backward), where training wants dense
+causal attention over [batch, window] windows with autograd (`F.scaled_dot_product_attention`); and it
+fuses q/k/v and gate/up, where this model keeps Hugging Face's layout, so that its state_dict is the
+checkpoint written and its seeded initialisation draws tensor by tensor in that layout's order. Training
+the fused model would change every trained preset's weights (a TRAINER_VERSION bump: every cached preset
+trained again) and serve nothing faster. Shared instead: RMSNorm (llama.py), RoPE's cos/sin tables and
+rotation (rope.py), and the tensor names (hf_names.py: which weights are norms and residual outputs, the
+tied LM head); tests/engine/test_hf_names.py holds this model's state_dict to hf_names.checkpoint_tensors.
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.engine.model import hf_names
 from flotilla.engine.model.llama import RMSNorm  # the engine's own: the same weights, the same math
-from flotilla.engine.model.rope import inverse_frequencies
+from flotilla.engine.model.rope import cos_sin_tables, rotate
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = rotate(q, (cos, sin)), rotate(k, (cos, sin))
         if self.kv_heads != self.heads:
             # Query head h reads KV head h // (heads / kv_heads), as transformers' repeat_kv does.
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -135,21 +147,19 @@ class TrainingLlama(nn.Module):
         self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
         if config["tie_word_embeddings"]:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = inverse_frequencies(head_dim, config["rope_theta"], config.get("rope_scaling"))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = cos_sin_tables(head_dim, max_positions, config["rope_theta"], config.get("rope_scaling"))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """normal(0, std) for matrices, the residual outputs scaled by 1/sqrt(2 * layers) (GPT-2's rule)."""
         residual_std = std / math.sqrt(2 * len(self.model.layers))
         with torch.no_grad():
             for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
+                if hf_names.is_norm(name):
                     param.fill_(1.0)
                 else:
-                    scale = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                    scale = residual_std if hf_names.is_residual_output(name) else std
                     param.copy_(torch.randn(param.shape, generator=generator) * scale)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -162,10 +172,11 @@ class TrainingLlama(nn.Module):
         return self.lm_head(self.model.norm(x))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under Hugging Face's names, contiguous, without the tied `lm_head.weight`."""
+        """The weights under Hugging Face's names (hf_names.checkpoint_tensors'), contiguous, without the
+        tied LM head."""
         out = {name: t.detach().contiguous().clone() for name, t in self.state_dict().items()}
         if self.config["tie_word_embeddings"]:
-            out.pop("lm_head.weight", None)
+            out.pop(hf_names.weight(hf_names.LM_HEAD), None)
         return out
 
 
@@ -173,11 +184,6 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere autocast is slower."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def pack(token_lists: Sequence[Sequence[int]], bos_id: int | None, eos_id: int) -> torch.Tensor:
