@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# Flotilla's images, one target per component (docs/architecture.md, README "Images"):
+# Flotilla's images, one target per component (docs/architecture.md, docs/install.md "Images"):
 #   docker build --target engine   -t ghcr.io/flotilla-dev/flotilla-engine:0.1.0 .
 #       `flotilla engine serve` and `flotilla model fetch`: flotilla + flotilla-engine, CUDA torch and triton
 #   docker build --target operator -t ghcr.io/flotilla-dev/flotilla-operator:0.1.0 .
@@ -12,7 +12,7 @@
 # bytecode is compiled here, at build time, and every cache and home directory points into /tmp (the pods
 # mount an emptyDir there). Not built in this repository's CI (its machines have no Docker engine).
 
-# -- wheels: the three distributions, built once; their dependencies come from the index at install time --
+# -- wheels: the four product distributions, built once; their dependencies come from the index at install time --
 FROM python:3.11-slim-bookworm AS wheels
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /build
@@ -48,7 +48,6 @@ ENV PATH=/opt/flotilla/bin:$PATH \
     TRITON_HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/.triton/cache \
     CUDA_CACHE_PATH=/tmp/.nv/ComputeCache \
-    MPLCONFIGDIR=/tmp/.config/matplotlib \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /tmp
 USER 65532:65532

@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install lint cluster-build cluster-down bench
 
-$(STAMP): pyproject.toml engine/pyproject.toml operator/pyproject.toml gateway/pyproject.toml scripts/bootstrap.sh
+$(STAMP): pyproject.toml engine/pyproject.toml operator/pyproject.toml gateway/pyproject.toml bench/pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh
 
 install: $(STAMP)

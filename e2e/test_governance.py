@@ -426,7 +426,7 @@ def test_every_panel_rule_and_alert_query_returns_data(fleet: Fleet, evaluated: 
 
 
 def _series_counts(fleet: Fleet) -> dict[str, int]:
-    """How many series one service and one tenant cost Prometheus (the README quotes these)."""
+    """How many series one service and one tenant cost Prometheus (docs/monitoring.md quotes these)."""
     service = f'namespace="{fleet.ns_a}",service="chat"'
     counts = {
         "scraped from one engine pod": f'count({{__name__=~"flotilla_.*",namespace="{fleet.ns_a}",pod=~"chat-.*"}})',

@@ -12,7 +12,8 @@ from flotilla import contract
 from flotilla.cli import build_parser
 from flotilla.operator.api.v1alpha1 import InferenceServiceSpec
 from flotilla.operator.config import OperatorConfig
-from flotilla.operator.desired.workload import Decision, Owner, deployment, quantity_bytes
+from flotilla.operator.desired.workload import Decision, Owner, deployment
+from flotilla.quantity import quantity_bytes
 
 MODEL_URIS = [
     "file:///models/tiny-llama",

@@ -23,8 +23,11 @@ from flotilla.operator.desired.workload import Decision, Owner, deployment
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
-DISTRIBUTION_DIRS = [ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway"]
+DISTRIBUTION_DIRS = [ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway", ROOT / "bench"]
 HEAVY = ("torch", "triton", "transformers")
+# The benchmarks (and their plotting) are a distribution of their own that no image builds or installs.
+NOT_IN_IMAGES = {"flotilla_bench"}
+PLOTTING = ("matplotlib",)
 
 # The image naming: a target is named after the distribution it adds to the root one (`flotilla`), its
 # repository is that distribution's name under the contract's registry, and its CLI group is the target's.
@@ -203,7 +206,8 @@ def console_scripts(distributions: set[str]) -> dict[str, str]:
 
 def test_both_targets_exist_and_the_builder_makes_every_distributions_wheel() -> None:
     assert set(TARGETS) <= set(STAGES)
-    assert built_wheels() == set(DISTRIBUTIONS)
+    assert set(DISTRIBUTIONS) > NOT_IN_IMAGES
+    assert built_wheels() == set(DISTRIBUTIONS) - NOT_IN_IMAGES
     for name in TARGETS:
         assert all(stage.name not in TARGETS for stage in lineage(STAGES, name)[:-1]), name
         # Base images are pinned by tag (hadolint checks the same; `make test` runs it).
@@ -225,6 +229,17 @@ def test_the_operator_image_has_no_engine_no_torch_no_cuda() -> None:
     text = " ".join(args for stage in lineage(STAGES, "operator") for _, args in stage.instructions).lower()
     for word in (*HEAVY, "cuda", "flotilla_engine", "./engine"):
         assert word not in text, f"the operator target mentions {word}"
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_no_image_has_the_benchmarks_or_their_plotting(target: str) -> None:
+    assert not installed(target) & NOT_IN_IMAGES
+    for name in installed(target):
+        for requirement in DISTRIBUTIONS[name][1].get("dependencies", []):
+            assert not requirement.lower().startswith(PLOTTING), f"{name} requires {requirement}"
+    text = " ".join(args for stage in lineage(STAGES, target) for _, args in stage.instructions).lower()
+    for word in (*PLOTTING, "mplconfigdir", "./bench", "flotilla_bench"):
+        assert word not in text, f"the {target} target mentions {word}"
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -279,9 +294,12 @@ def test_image_names_follow_the_contract(target: str) -> None:
     assert image == f"{repository}:{contract.IMAGE_TAG}"
     # Tagged with the release: every distribution's version.
     assert {project["version"] for _, project in DISTRIBUTIONS.values()} == {contract.IMAGE_TAG}
-    # What the Dockerfile's header and the README tell people to build is the same name.
-    for doc in (DOCKERFILE, ROOT / "README.md"):
-        for built_target, tag in re.findall(r"--target (\w+) +-t (\S+)", doc.read_text()):
+    # What the Dockerfile's header and the install page tell people to build is the same name (and each
+    # does tell: a page that lost its build lines would pass vacuously).
+    for doc in (DOCKERFILE, ROOT / "docs" / "install.md"):
+        builds = re.findall(r"--target (\w+) +-t (\S+)", doc.read_text())
+        assert builds, f"{doc.name} shows no `docker build --target T -t NAME`"
+        for built_target, tag in builds:
             assert built_target in TARGETS and tag == TARGETS[built_target][2], f"{doc.name}: {tag}"
 
 

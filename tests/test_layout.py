@@ -1,22 +1,36 @@
 """The layout's promises: a file's path is its import path, the operator needs no torch, the contract is
-stdlib-only and is the one place its names are spelled, and installed code never looks for the checkout."""
+stdlib-only and is the one place its names are spelled, what two parts need is written once (in the root
+distribution), installed code never looks for the checkout, and the benchmarks (flotilla-bench) are the
+products' users, never their parts."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from flotilla import contract, ownership
+from flotilla import contract, disconnect, openai_errors, ownership, quantity, timestamps
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = [ROOT / "src", ROOT / "engine" / "src", ROOT / "operator" / "src", ROOT / "gateway" / "src"]
+SOURCE_ROOTS = [
+    ROOT / "src",
+    ROOT / "engine" / "src",
+    ROOT / "operator" / "src",
+    ROOT / "gateway" / "src",
+    ROOT / "bench" / "src",
+]
 HEAVY = ("torch", "triton", "transformers")
+# The distributions that run in production (the images install some of them); flotilla-bench is the other.
+PRODUCTS = [".", "engine", "operator", "gateway"]
+PLOTTING = ("matplotlib",)
+BENCH = "flotilla.bench"
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -38,13 +52,13 @@ def test_every_file_imports_under_the_name_its_path_says() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_flotilla_is_a_namespace_package_shared_by_four_distributions() -> None:
+def test_flotilla_is_a_namespace_package_shared_by_five_distributions() -> None:
     assert not any((root / "flotilla" / "__init__.py").exists() for root in SOURCE_ROOTS)
     names = {
         tomllib.loads((d / "pyproject.toml").read_text())["project"]["name"]
-        for d in (ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway")
+        for d in (ROOT, ROOT / "engine", ROOT / "operator", ROOT / "gateway", ROOT / "bench")
     }
-    assert names == {"flotilla", "flotilla-engine", "flotilla-operator", "flotilla-gateway"}
+    assert names == {"flotilla", "flotilla-engine", "flotilla-operator", "flotilla-gateway", "flotilla-bench"}
 
 
 @pytest.mark.parametrize("project", [".", "operator", "gateway"])
@@ -54,10 +68,84 @@ def test_the_operator_and_gateway_declare_no_torch_triton_or_transformers(projec
     assert not [name for name in HEAVY if name in declared]
 
 
+@pytest.mark.parametrize("project", PRODUCTS)
+def test_no_product_declares_matplotlib(project: str) -> None:
+    """Plotting is the benchmarks': only flotilla-bench declares matplotlib."""
+    meta = tomllib.loads((ROOT / project / "pyproject.toml").read_text())["project"]
+    declared = " ".join(meta["dependencies"]).lower()
+    assert not [name for name in PLOTTING if name in declared]
+    bench = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())["project"]
+    assert all(name in " ".join(bench["dependencies"]).lower() for name in PLOTTING)
+
+
+def test_the_root_modules_never_import_the_benchmarks() -> None:
+    """What import-linter checks of the product packages (.importlinter), for the root distribution's own
+    modules (import-linter takes only packages as roots): none imports flotilla.bench. The CLI names the
+    benchmarks' command modules only as strings, for importlib."""
+    offenders = []
+    for path in sorted((ROOT / "src" / "flotilla").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+                for name in names
+                if name == BENCH or name.startswith(BENCH + ".")
+            ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_without_the_benchmarks_every_product_module_imports_and_bench_says_where_they_are() -> None:
+    """In a process where flotilla.bench cannot be imported (the images: flotilla-bench is not installed),
+    every product module imports, and each group's `bench` command, whatever its arguments, says in one line
+    that the benchmarks are in flotilla-bench and how to install it."""
+    names = [n for n, _ in _modules() if not n.startswith(BENCH)]
+    script = f"""
+import contextlib, importlib, importlib.abc, io, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == {BENCH!r} or name.startswith({BENCH!r} + "."):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+for name in {names!r}:
+    importlib.import_module(name)
+from flotilla.cli import main
+for argv in (["engine", "bench"], ["engine", "bench", "serve", "--url", "http://x"], ["gateway", "bench", "routing"],
+             ["operator", "bench", "--services", "5"], ["engine", "bench", "--help"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    lines = err.getvalue().splitlines()
+    assert code == 2 and len(lines) == 1, (argv, code, lines)
+    assert lines[0].startswith(f"flotilla {{argv[0]}} bench: "), lines
+    assert "flotilla-bench" in lines[0] and "pip install -e bench" in lines[0], lines
+assert not [m for m in sys.modules if m.startswith({BENCH!r})]
+print(len({names!r}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout) == len(names) > 50
+
+
+def test_with_the_benchmarks_each_group_has_its_bench_commands() -> None:
+    """With flotilla-bench installed (as `make install` does), the root CLI attaches each group's benchmarks."""
+    from flotilla.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["engine", "bench", "serve", "--url", "http://x"], ["gateway", "bench", "overhead"],
+                 ["operator", "bench", "--services", "5"]):  # fmt: skip
+        args = parser.parse_args(argv)
+        assert callable(args.func) and args.func.__module__.startswith(f"{BENCH}.{argv[0]}."), argv
+
+
 def test_the_operator_gateway_and_cli_import_where_torch_cannot() -> None:
-    """Every operator, gateway, cluster and CLI module imports in a process where torch, triton and transformers
-    raise ImportError, as in the operator's image."""
-    names = [n for n, _ in _modules() if not n.startswith("flotilla.engine")]
+    """Every operator, gateway, cluster and CLI module, and the gateway's and the operator's benchmarks,
+    imports in a process where torch, triton and transformers raise ImportError, as in the operator's image."""
+    names = [n for n, _ in _modules() if not n.startswith(("flotilla.engine", "flotilla.bench.engine"))]
     script = f"""
 import importlib, importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -74,10 +162,13 @@ print(len({names!r}))
     assert int(result.stdout) == len(names) > 50
 
 
-@pytest.mark.parametrize("module", [contract, ownership], ids=["contract", "ownership"])
+SHARED = [contract, ownership, openai_errors, quantity, timestamps, disconnect]
+
+
+@pytest.mark.parametrize("module", SHARED, ids=[m.__name__.rpartition(".")[2] for m in SHARED])
 def test_the_shared_rules_import_only_the_standard_library(module) -> None:
-    """The contract and the ownership rule are imported by every part, the gateway's I/O-free core
-    included: they may need nothing the parts do not all have."""
+    """The contract, the ownership rule and the root's shared helpers are imported by the parts, the
+    gateway's I/O-free core included: they may need nothing the parts do not all have."""
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name.split(".")[0]
@@ -108,11 +199,11 @@ def _contract_strings() -> dict[str, str]:
     return values
 
 
-# The benchmarks declare flags of their own (other defaults, other meanings), not the contract's.
-NOT_CONTRACT_CODE = ("engine/src/flotilla/engine/bench/", "engine/src/flotilla/engine/cmd/engine.py")
+# The engine's benchmarks declare flags of their own (other defaults, other meanings), not the contract's.
+NOT_CONTRACT_CODE = ("bench/src/flotilla/bench/engine/",)
 
 
-def test_engine_operator_and_gateway_spell_no_contract_name_themselves() -> None:
+def test_engine_operator_gateway_and_bench_spell_no_contract_name_themselves() -> None:
     """Metric names, flags, environment variables and paths come from flotilla.contract, never copied."""
     spelled = _contract_strings()
     copies = []
@@ -126,6 +217,72 @@ def test_engine_operator_and_gateway_spell_no_contract_name_themselves() -> None
                         f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r} (use contract.{spelled[node.value]})"
                     )
     assert not copies, "\n".join(copies)
+
+
+def _strings(path: Path) -> Iterator[tuple[int, str]]:
+    """The string constants of a module, but for the values of a `Literal[...]` (a type spells its values;
+    tests/operator/test_scheduling.py checks the CRD's against the contract)."""
+    tree = ast.parse(path.read_text())
+    typed = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Literal"
+        for inner in ast.walk(node.slice)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in typed:
+            yield node.lineno, node.value
+
+
+_ERROR_TYPES = {openai_errors.error_type(status) for status in range(400, 600)} | {"not_found_error"}
+_RFC3339 = re.compile(r"%Y-%m-%dT%H:%M:%S(\.%f)?Z")
+
+
+def _error_type(s: str) -> bool:
+    return s in _ERROR_TYPES
+
+
+def _time_format(s: str) -> bool:  # a strftime format, or the "Z" -> "+00:00" of a parser
+    return bool(_RFC3339.search(s)) or s == "+00:00"
+
+
+def _binary_suffix(s: str) -> bool:  # Ki, Mi, Gi ...
+    return len(s) == 2 and s in quantity.SUFFIXES
+
+
+def _disconnect(s: str) -> bool:
+    return s == "http.disconnect"
+
+
+def _policy(s: str) -> bool:  # the benchmarks name their runs by policy (NOT_CONTRACT_CODE)
+    return s == contract.SCHEDULING_FCFS
+
+
+# What two parts need, written once: its one home, what it is, how a copy shows, and where it may show.
+ONE_HOME: list[tuple[str, str, Callable[[str], bool], tuple[str, ...]]] = [
+    ("src/flotilla/openai_errors.py", "an OpenAI error type", _error_type, ()),
+    ("src/flotilla/timestamps.py", "an RFC 3339 time's format", _time_format, ()),
+    ("src/flotilla/quantity.py", "a Kubernetes quantity's binary suffix", _binary_suffix, ()),
+    ("src/flotilla/disconnect.py", "the ASGI disconnect message", _disconnect, ()),
+    ("src/flotilla/contract.py", "a scheduling policy's name", _policy, NOT_CONTRACT_CODE),
+]
+
+
+@pytest.mark.parametrize(
+    ("home", "what", "spells", "exempt"), ONE_HOME, ids=[r[2].__name__ for r in ONE_HOME]
+)
+def test_what_two_parts_need_is_written_once(
+    home: str, what: str, spells: Callable[[str], bool], exempt: tuple[str, ...]
+) -> None:
+    """The OpenAI error body, Kubernetes quantities, RFC 3339 times, the client-disconnect race and the
+    scheduling policies each have one home; a second copy (one once disagreed with the first) fails here."""
+    copies = []
+    for _, path in _modules():
+        where = str(path.relative_to(ROOT))
+        if where == home or (exempt and where.startswith(exempt)):
+            continue
+        copies += [f"{where}:{line} {value!r}" for line, value in _strings(path) if spells(value)]
+    assert not copies, f"{what} spelled outside {home}:\n" + "\n".join(copies)
 
 
 def test_installed_code_never_looks_for_the_checkout() -> None:

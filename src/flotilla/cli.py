@@ -2,6 +2,10 @@
 
 Group modules must stay import-light (no torch, no kubernetes client at import time) so that
 `flotilla cluster up` starts fast; they import heavy code inside the command functions.
+
+The benchmarks are a distribution of their own (flotilla-bench, bench/): the product groups never import
+it. Here each group in BENCHES gets its `bench` subcommand from flotilla.bench.<group>.cli when that is
+installed, and otherwise a `bench` command that says where the benchmarks are.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ GROUPS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# group name -> (module that defines configure(bench_parser), help of `flotilla GROUP bench`)
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("flotilla.bench.engine.cli", "benchmark the engine"),
+    "operator": (
+        "flotilla.bench.operator.cli",
+        "scale benchmark: N InferenceServices on a simulated cluster; prints figures",
+    ),
+    "gateway": ("flotilla.bench.gateway.cli", "benchmarks: routing policies, the gateway's own latency"),
+}
+BENCH_DISTRIBUTION = "flotilla-bench"
+BENCH_INSTALL = "pip install -e bench"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flotilla", description="LLM inference fleets on Kubernetes.")
@@ -44,8 +60,46 @@ def build_parser() -> argparse.ArgumentParser:
         if hasattr(module, "configure"):  # a group that is one command with options (flotilla usage)
             module.configure(group)
             continue
-        module.add_commands(group.add_subparsers(dest="command", metavar="COMMAND", required=True))
+        commands = group.add_subparsers(dest="command", metavar="COMMAND", required=True)
+        module.add_commands(commands)
+        if name in BENCHES:
+            _add_bench(commands, name)
     return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction, group: str) -> None:
+    """`flotilla GROUP bench`: flotilla-bench's subcommands, or one that says how to install them."""
+    module_name, help_text = BENCHES[group]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not exc.name or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise  # installed, but something it imports is missing: not ours to hide
+        missing = _bench_missing(group)
+        # Any arguments are taken (none is an option here), so every invocation gets the one line.
+        bench = commands.add_parser(
+            "bench",
+            help=f"{help_text} (not installed: {BENCH_DISTRIBUTION})",
+            description=missing.__doc__,
+            prefix_chars="\0",
+            add_help=False,
+        )
+        bench.add_argument("args", nargs="*")
+        bench.set_defaults(func=missing)
+        return
+    module.configure(commands.add_parser("bench", help=help_text))
+
+
+def _bench_missing(group: str):
+    def run(_args) -> int:
+        print(run.__doc__, file=sys.stderr)
+        return 2
+
+    run.__doc__ = (
+        f"flotilla {group} bench: the benchmarks are in the {BENCH_DISTRIBUTION} distribution, which is "
+        f"not installed; from a checkout: {BENCH_INSTALL}"
+    )
+    return run
 
 
 def _not_built(group: str):

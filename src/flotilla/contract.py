@@ -111,7 +111,9 @@ TENANT_VIRTUAL_TOKEN_COUNTER = "flotilla_tenant_virtual_tokens"
 TENANT_NUM_REQUESTS_WAITING = "flotilla_tenant_num_requests_waiting"
 TENANT_TIME_TO_FIRST_TOKEN = "flotilla_tenant_time_to_first_token_seconds"
 OTHER_TENANT = "other"
-SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+# The scheduling policies (`--scheduling-policy`, spec.engine.schedulingPolicy; the engine's core/policy.py).
+SCHEDULING_FCFS, SCHEDULING_PRIORITY, SCHEDULING_FAIR = "fcfs", "priority", "fair"
+SCHEDULING_POLICIES = (SCHEDULING_FCFS, SCHEDULING_PRIORITY, SCHEDULING_FAIR)
 
 # What the loaded model is: the bytes its weights take (quantized weights and their scales included) and an
 # info gauge (always 1) whose labels say the quantization, its int4 group size ("" otherwise) and the dtype

@@ -9,9 +9,9 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flotilla.contract import SCHEDULING_POLICIES
 from flotilla.engine.core.fair_share import FairShareConfig, FairShareLedger
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
-from flotilla.engine.core.policy import POLICIES
 from flotilla.engine.core.request import Request
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -74,7 +74,7 @@ def test_backlogged_tenants_stay_within_the_vtc_bound(a_jobs, b_jobs, budget, st
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    policy=st.sampled_from(POLICIES),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
     arrivals=st.lists(
         st.tuples(st.sampled_from("abc"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 2)),
         min_size=1,

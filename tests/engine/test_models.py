@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from flotilla.engine.model.config import ModelConfig, ModelLoadError
-from flotilla.engine.model.presets import PRESETS, build_tokenizer, random_weights
+from flotilla.engine.model.synthetic.presets import PRESETS, build_tokenizer, random_weights
 from flotilla.engine.text.tokenizer import load_tokenizer
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flotilla.contract import SCHEDULING_POLICIES
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
-from flotilla.engine.core.policy import POLICIES
 from flotilla.engine.core.request import FinishReason, Request, RequestStatus
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -66,7 +66,7 @@ def check_invariants(sched: Scheduler) -> None:
     num_blocks=st.integers(3, 24),
     block_size=st.sampled_from([1, 2, 4]),
     budget=st.integers(1, 48),
-    policy=st.sampled_from(POLICIES),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
 )
 def test_block_accounting_holds_under_any_sequence(ops, num_blocks, block_size, budget, policy):
     max_len = min(num_blocks * block_size, 64)

@@ -1,7 +1,7 @@
 """The trained presets: the synthetic corpus is deterministic and has the structure promised, the trainer
 lowers the loss, its folder loads in the engine and in transformers with the same greedy tokens, and a
 trained preset is trained once and then taken from the cache. Training here is a micro model for a few
-steps; the real presets' three-minute runs are measured by hand (README)."""
+steps; the real presets' three-minute runs are measured by hand (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-from flotilla.engine.model import corpus, presets, train
-from flotilla.engine.model.presets import PRESETS, TRAINED_PRESETS, build_tokenizer
+from flotilla.engine.model.synthetic import corpus, presets, train
+from flotilla.engine.model.synthetic.presets import PRESETS, TRAINED_PRESETS, build_tokenizer
 
 from .test_hf_parity import check_against_hf, make_engine
 

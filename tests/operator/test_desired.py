@@ -10,11 +10,11 @@ from flotilla.operator.desired.workload import (
     children,
     deployment,
     engine_flags,
-    quantity_bytes,
     service,
     target_replicas,
 )
 from flotilla.operator.naming import SERVICE_LABEL
+from flotilla.quantity import quantity_bytes
 
 
 def _engine(dep: dict) -> dict:

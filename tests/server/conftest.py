@@ -30,7 +30,7 @@ MODEL_NAME = "tiny"
 def write_tiny_model(folder: Path) -> Path:
     from safetensors.torch import save_file
 
-    from flotilla.engine.model.presets import PRESETS, build_tokenizer, random_weights
+    from flotilla.engine.model.synthetic.presets import PRESETS, build_tokenizer, random_weights
 
     preset = PRESETS["tiny-llama"]
     folder.mkdir(parents=True, exist_ok=True)

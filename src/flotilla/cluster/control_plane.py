@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 
 from flotilla.cluster import pki
-from flotilla.cluster.build import targets
 from flotilla.cluster.kubeclient import tls_context
 from flotilla.cluster.paths import default_state_dir, etcd_bin_dir, kubernetes_bin_dir
 from flotilla.cluster.processes import ProcessTable, stop_all
@@ -295,7 +294,3 @@ def status(state_dir: Path | None = None) -> dict:
         "components": components,
         "kubeconfig": str(cfg.kubeconfig) if cfg else None,
     }
-
-
-def binaries_present() -> dict[str, bool]:
-    return {t.name: t.path.exists() for t in targets()}

@@ -25,10 +25,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flotilla import timestamps
 from flotilla.cluster import mount_ns
 from flotilla.cluster.kubeclient import ApiError, KubeClient
 from flotilla.cluster.node_ports import NodePortProxy, selects
-from flotilla.cluster.pod_runtime import PodRuntime, now_rfc3339, process_names
+from flotilla.cluster.pod_runtime import PodRuntime, process_names
 from flotilla.cluster.pod_status import overwritten, pod_status, simulated_status
 from flotilla.cluster.pod_volumes import PodVolumes
 from flotilla.cluster.processes import ProcessTable
@@ -44,10 +45,6 @@ NODE_STATUS_SECONDS = 60
 
 def log(message: str) -> None:
     print(f"{dt.datetime.now().strftime('%H:%M:%S.%f')[:-3]} {message}", flush=True)
-
-
-def micro_time() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def node_ip_prefix(index: int, base: int = 1) -> str:
@@ -122,7 +119,7 @@ class NodeAgent:
             "ephemeral-storage": "1Ti",
             "nvidia.com/gpu": str(self.gpus),
         }
-        now = now_rfc3339()
+        now = timestamps.now()
         conditions = [
             {
                 "type": "Ready",
@@ -192,7 +189,11 @@ class NodeAgent:
     def renew_leases(self) -> None:
         for name in self.nodes:
             path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}"
-            spec = {"holderIdentity": name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": micro_time()}
+            spec = {
+                "holderIdentity": name,
+                "leaseDurationSeconds": LEASE_SECONDS,
+                "renewTime": timestamps.now(micro=True),
+            }
             try:
                 self.client.merge_patch(path, {"spec": spec})
             except ApiError as exc:
@@ -377,7 +378,7 @@ class NodeAgent:
                     continue
                 if uid not in self.simulated:
                     self.simulated[uid] = pool.take((pod.get("status") or {}).get("podIP"))
-                start = (pod.get("status") or {}).get("startTime") or now_rfc3339()
+                start = (pod.get("status") or {}).get("startTime") or timestamps.now()
                 self._write_status(uid, pod, simulated_status(pod, self.simulated[uid], HOST_IP, start))
                 continue
             runtime = self.runtimes.get(uid)

@@ -6,9 +6,13 @@ Pure functions: the ConfigMap and Secret lookups are passed in, so this unit-tes
 from __future__ import annotations
 
 import base64
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
+from fractions import Fraction
+
+from flotilla.quantity import parse_quantity
 
 # (namespace, name) -> the object's data (ConfigMap) or decoded data (Secret); None when absent.
 Lookup = Callable[[str, str], dict[str, str] | None]
@@ -57,41 +61,22 @@ def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
     raise EnvError(f"fieldRef {path!r} is not supported by the node agent")
 
 
-_CPU_UNITS = {"m": 0.001, "": 1.0}
-_MEM_UNITS = {
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-}
-
-
 def resource_ref(container: dict, ref: dict) -> str:
+    """A resourceFieldRef's value: the container's request or limit over the divisor, rounded up (as the
+    kubelet does); a value that is not a quantity is passed as written."""
     kind, _, resource = ref["resource"].partition(".")
     value = ((container.get("resources") or {}).get(kind) or {}).get(resource)
     if value is None:
         return "0"
-    divisor = str(ref.get("divisor", "1"))
-    if resource == "cpu":
-
-        def cpu(q: str) -> float:
-            return float(q[:-1]) * 0.001 if q.endswith("m") else float(q)
-
-        import math
-
-        return str(math.ceil(cpu(str(value)) / cpu(divisor)))
-    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(value))
-    if not match or match.group(2) not in _MEM_UNITS:
+    try:
+        amount = parse_quantity(value)
+    except ValueError:
         return str(value)
-    amount = float(match.group(1)) * _MEM_UNITS[match.group(2)]
-    dmatch = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", divisor)
-    div = float(dmatch.group(1)) * _MEM_UNITS.get(dmatch.group(2), 1) if dmatch else 1
-    return str(int(-(-amount // div)))
+    try:
+        divisor = parse_quantity(ref.get("divisor", "1"))
+    except ValueError:
+        divisor = Fraction(1)
+    return str(math.ceil(amount / divisor))
 
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")

@@ -9,7 +9,6 @@ running (and restarting) beside the main containers.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flotilla import timestamps
 from flotilla.cluster.mount_ns import wrap_argv
 from flotilla.cluster.pod_env import EnvError, base_env, container_argv, container_env
 from flotilla.cluster.pod_volumes import PodVolumes
@@ -32,10 +32,6 @@ SCRIPTS_DIR = sysconfig.get_path("scripts")
 
 
 PROBES = ("startup", "liveness", "readiness")
-
-
-def now_rfc3339() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def pod_key(pod: dict) -> str:
@@ -124,7 +120,7 @@ class PodRuntime:
         self.config_maps, self.secrets = lookups
         self.probe_pool = probe_pool
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
-        self.start_time = now_rfc3339()
+        self.start_time = timestamps.now()
         self.volumes = volumes
         self.sandbox_python = sandbox_python
         self.services = services or {}
@@ -188,7 +184,7 @@ class PodRuntime:
             run.restart_count = int(seen.get("restartCount") or 0)
             run.started_at = ((seen.get("state") or {}).get("running") or {}).get(
                 "startedAt"
-            ) or now_rfc3339()
+            ) or timestamps.now()
             run.started_mono = now
             run.last_terminated = (seen.get("lastState") or {}).get("terminated")
             run.waiting_reason, run.waiting_message = "", ""
@@ -247,7 +243,7 @@ class PodRuntime:
             run.waiting_reason, run.waiting_message = "RunContainerError", f"cannot start {argv[0]!r}: {exc}"
             self._schedule_restart(run, now)
             return
-        run.started_at, run.started_mono = now_rfc3339(), now
+        run.started_at, run.started_mono = timestamps.now(), now
         run.terminated, run.waiting_reason, run.waiting_message, run.killed_by_probe = None, "", "", ""
         run.adopted = False
         for kind in PROBES:
@@ -269,7 +265,7 @@ class PodRuntime:
             "exitCode": exit_code,
             "reason": reason,
             "startedAt": run.started_at,
-            "finishedAt": now_rfc3339(),
+            "finishedAt": timestamps.now(),
         }
         if run.killed_by_probe:
             run.terminated["message"] = run.killed_by_probe

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from flotilla.timestamps import parse_time
+
 DEFAULT_SERVICEACCOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 IMPLICIT_VOLUME = "kube-api-access-flotilla"
 ROOT_CA_CONFIG_MAP = "kube-root-ca.crt"  # published in every namespace by the controller-manager
@@ -129,10 +131,6 @@ def token_request(pod: dict, audience: str | None, expiration_seconds: int) -> d
     if audience:
         spec["audiences"] = [audience]
     return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
-
-
-def parse_time(text: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def refresh_at(issued: dt.datetime, expires: dt.datetime) -> dt.datetime:

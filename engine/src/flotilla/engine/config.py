@@ -18,6 +18,8 @@ from flotilla.contract import (
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    SCHEDULING_FCFS,
+    SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
 )
 
@@ -41,7 +43,7 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int = 0  # torch CPU threads for model steps; 0: torch's default (one per core)
     show_progress: bool = True
-    scheduling_policy: str = "fcfs"  # fcfs | priority | fair (core/policy.py)
+    scheduling_policy: str = SCHEDULING_FCFS  # one of SCHEDULING_POLICIES (core/policy.py)
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share; absent tenants weigh 1
     # Weight-only quantization of the decoder's linear layers at load time (model/quantize.py): none, int8
     # (per output channel) or int4 (per group of quantization_group_size input features).
@@ -75,9 +77,9 @@ class EngineConfig:
                 f"{FLAG_QUANTIZATION_GROUP_SIZE} {self.quantization_group_size}: must be one of "
                 f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}"
             )
-        if self.scheduling_policy not in ("fcfs", "priority", "fair"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
         for tenant, weight in self.tenant_weights.items():
             if not weight > 0:

@@ -4,7 +4,6 @@ mapping onto EngineConfig. Import-light: no torch."""
 from __future__ import annotations
 
 import argparse
-import re
 
 from flotilla.contract import (
     FLAG_BLOCK_SIZE,
@@ -30,19 +29,15 @@ from flotilla.contract import (
     parse_tenant_weights,
 )
 from flotilla.engine.config import ATTENTION_BACKENDS, EngineConfig
-
-_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+from flotilla.quantity import parse_byte_size
 
 
 def parse_bytes(text: str) -> int:
-    """'4GiB', '512MiB', '1e9' or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]i?)?[bB]?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1073741824, 512MiB, 4GiB)")
-    value = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
-    return int(value)
+    """A size flag: '4GiB', '512MiB', '1e9' or a plain number of bytes (flotilla.quantity.parse_byte_size)."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def whole_number(text: str, minimum: int, rule: str) -> int:

@@ -14,9 +14,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,7 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from flotilla import timestamps
 from flotilla.contract import HEALTH_PATH, METRICS_PATH, OPENAI_PATH
+from flotilla.disconnect import ClientDisconnected, until_disconnected
 from flotilla.gateway.config import GatewaySettings
 from flotilla.gateway.core.keys import parse_bearer
 from flotilla.gateway.core.rate_limit import Limited, RateLimiter
@@ -39,13 +40,8 @@ from flotilla.gateway.prompts import PromptHasher
 from flotilla.gateway.router import Router
 from flotilla.gateway.upstream import CONNECTION_LOST, Exchange, send, upstream_headers
 
-T = TypeVar("T")
 PASSED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id")
 DEMAND_INTERVAL = 5.0  # seconds between two demand signals for one service while requests wait
-
-
-class ClientGone(Exception):
-    """The client disconnected while the gateway waited for something on its behalf."""
 
 
 class Gateway:
@@ -111,7 +107,7 @@ class Gateway:
             response = await self._serve(request, chat, arrival, labels)
         except GatewayError as error:
             response = error.response()
-        except ClientGone:
+        except ClientDisconnected:  # while the gateway waited for something on its behalf
             response = Response(status_code=499)  # nginx's "client closed request": nobody reads it
         self.metrics.requests.labels(labels["tenant"], labels["model"], str(response.status_code)).inc()
         return response
@@ -142,16 +138,20 @@ class Gateway:
                     media_type="text/event-stream",
                 )
             held_at = time.perf_counter()
-            await self.until_disconnected(request, self.wait_for_replica(service))
+            await until_disconnected(self.wait_for_replica(service), request.receive)
             arrival += time.perf_counter() - held_at  # the added latency does not count the hold
             cold_start = time.perf_counter() - held_at
-            exchange = await self.until_disconnected(
-                request, self.open(service, tenant, path, content, body, chat, arrival)
+            exchange = await until_disconnected(
+                self.open(service, tenant, path, content, body, chat, arrival),
+                request.receive,
+                Exchange.close,
             )
             self.metrics.cold_start.labels(service.served_name).observe(cold_start)
         else:
-            exchange = await self.until_disconnected(
-                request, self.open(service, tenant, path, content, body, chat, arrival)
+            exchange = await until_disconnected(
+                self.open(service, tenant, path, content, body, chat, arrival),
+                request.receive,
+                Exchange.close,
             )
         if stream and exchange.response.status_code == 200:
             return StreamingResponse(self.relay(exchange, tenant), status_code=200,
@@ -160,7 +160,7 @@ class Gateway:
             data = (
                 exchange.head
                 if exchange.complete
-                else await self.until_disconnected(request, exchange.response.aread())
+                else await until_disconnected(exchange.response.aread(), request.receive)
             )
         finally:
             await exchange.close()
@@ -243,7 +243,7 @@ class Gateway:
             # not be scaled back to zero under the requests waiting for it.
             if time.monotonic() - last >= DEMAND_INTERVAL:
                 self.demand_sent[service.key] = time.monotonic()
-                await self.fleet.demand(current, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+                await self.fleet.demand(current, timestamps.now(micro=True))
             await asyncio.sleep(1.0)
 
     async def open(
@@ -330,35 +330,11 @@ class Gateway:
             completion = int(json.loads(data)["usage"]["completion_tokens"])
             self.limiter.charge_tokens(tenant, completion, time.monotonic())
 
-    async def until_disconnected(self, request: Request, work: Awaitable[T]) -> T:
-        """`work`, unless the client disconnects first: then `work` is cancelled and ClientGone raised."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(disconnected(request))
-        try:
-            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            result = await task
-            if isinstance(result, Exchange):
-                await result.close()
-        raise ClientGone
-
     async def close(self) -> None:
         self.holds.fail_everything("the gateway is shutting down")
         await self.client.aclose()
         await self.hasher.close()
         await self.stats.close()
-
-
-async def disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def parse_body(content: bytes) -> dict[str, Any]:

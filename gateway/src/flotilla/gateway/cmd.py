@@ -1,6 +1,6 @@
 """`flotilla gateway run`: the OpenAI front door for every InferenceService; `flotilla gateway key`: a new
-API key for a tenant, stored hashed in a Secret the gateway reads; `flotilla gateway bench routing|overhead`:
-the gateway measured against real engines (flotilla.gateway.bench).
+API key for a tenant, stored hashed in a Secret the gateway reads. (`flotilla gateway bench
+routing|overhead`, the gateway measured against real engines, is flotilla-bench's: flotilla.bench.gateway.)
 
 Import-light: the command functions import the server."""
 
@@ -49,11 +49,6 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     key.add_argument("--namespace", default="flotilla-system", help="the gateway's namespace")
     key.add_argument("--secret", default=None, help="the Secret to add it to (default: <tenant>-api-keys)")
     key.set_defaults(func=_key)
-
-    bench = commands.add_parser("bench", help="benchmarks: routing policies, the gateway's own latency")
-    from flotilla.gateway.bench.cli import add_bench_commands  # flags only (argparse): the runners load late
-
-    add_bench_commands(bench.add_subparsers(dest="bench", metavar="BENCH", required=True))
 
 
 def _settings(args: argparse.Namespace):

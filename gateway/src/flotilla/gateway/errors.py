@@ -1,5 +1,6 @@
 """OpenAI-shaped errors: every refusal the gateway makes itself has the body OpenAI's clients parse
-(`{"error": {"message", "type", "param", "code"}}`), and is made before any upstream call."""
+(`{"error": {"message", "type", "param", "code"}}`, built by flotilla.openai_errors, as the engine's are),
+and is made before any upstream call."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import json
 
 from starlette.responses import Response
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+from flotilla.openai_errors import OpenAIError
 
 
-class GatewayError(Exception):
+class GatewayError(OpenAIError):
     def __init__(
         self,
         status: int,
@@ -20,13 +20,7 @@ class GatewayError(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        super().__init__(status, message, code=code, param=param, headers=headers)
 
     def response(self) -> Response:
         return Response(

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from flotilla.contract import FLAG_FETCH_DEST, MODEL_FETCH
-from flotilla.engine.model.presets import PRESETS, TRAINED_PRESETS
+from flotilla.engine.model.synthetic.presets import PRESETS, TRAINED_PRESETS
 
 
 def add_commands(subparsers) -> None:
@@ -43,7 +43,7 @@ def add_commands(subparsers) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from flotilla.engine.model.presets import init_model
+    from flotilla.engine.model.synthetic.presets import init_model
 
     if args.dir.exists() and any(args.dir.iterdir()):
         print(f"flotilla model init: {args.dir} exists and is not empty", file=sys.stderr)

@@ -14,39 +14,40 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from flotilla.contract import SCHEDULING_FAIR, SCHEDULING_FCFS, SCHEDULING_POLICIES
 from flotilla.engine.core.fair_share import FairShareLedger
 from flotilla.engine.core.request import Request
-
-POLICIES = ("fcfs", "priority", "fair")
 
 
 class SchedulingPolicy:
     def __init__(self, name: str, ledger: FairShareLedger) -> None:
-        if name not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {name!r}")
+        if name not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}"
+            )
         self.name = name
         self.ledger = ledger
 
     @property
     def reorders_running(self) -> bool:
         """True when the running order changes as tenants are served (the batch is re-sorted each step)."""
-        return self.name == "fair"
+        return self.name == SCHEDULING_FAIR
 
     def queue_key(self) -> Callable[[Request], tuple]:
         """The waiting queue's stable order (the fair policy picks within it by tenant)."""
-        if self.name == "fcfs":
+        if self.name == SCHEDULING_FCFS:
             return _arrival
         return _priority_then_arrival
 
     def running_key(self) -> Callable[[Request], tuple]:
-        if self.name != "fair":
+        if self.name != SCHEDULING_FAIR:
             return self.queue_key()
         counter = self.ledger.counter
         return lambda r: (r.priority, counter(r.tenant), r.arrival_index)
 
     def pick(self, waiting: Sequence[Request]) -> int:
         """Index of the waiting request to admit next (`waiting` is sorted by queue_key)."""
-        if self.name != "fair" or len(waiting) < 2:
+        if self.name != SCHEDULING_FAIR or len(waiting) < 2:
             return 0
         top = waiting[0].priority
         best, best_counter, seen = 0, self.ledger.counter(waiting[0].tenant), {waiting[0].tenant}

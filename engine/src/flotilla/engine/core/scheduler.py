@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from flotilla.contract import SCHEDULING_FCFS
 from flotilla.engine.core.fair_share import FairShareConfig, FairShareLedger
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
 from flotilla.engine.core.policy import SchedulingPolicy
@@ -30,7 +31,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    policy: str = "fcfs"  # fcfs | priority | fair
+    policy: str = SCHEDULING_FCFS  # one of SCHEDULING_POLICIES (policy.py)
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
 
     def __post_init__(self) -> None:

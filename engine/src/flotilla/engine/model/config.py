@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.contract import FLAG_QUANTIZATION_GROUP_SIZE, QUANTIZATION_GROUP_SIZES
+from flotilla.engine.model import hf_names
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -162,14 +163,8 @@ class ModelConfig:
     def decoder_linears(self) -> list[tuple[str, int, int]]:
         """(name, input features, output features) of each decoder layer's linear layers, as the engine
         names them (q/k/v and gate/up fused); every layer has the same ones, so layer 0 stands for all."""
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        return [
-            ("layers.0.self_attn.qkv_proj", self.hidden_size, q + 2 * kv),
-            ("layers.0.self_attn.o_proj", q, self.hidden_size),
-            ("layers.0.mlp.gate_up_proj", self.hidden_size, 2 * self.intermediate_size),
-            ("layers.0.mlp.down_proj", self.intermediate_size, self.hidden_size),
-        ]
+        shapes = hf_names.serving_linear_shapes(self)
+        return [(hf_names.layer_module(0, name), k, n) for name, (n, k) in shapes.items()]
 
 
 def check_quantization(config: ModelConfig, method: str, group_size: int) -> None:

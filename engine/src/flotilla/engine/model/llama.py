@@ -1,7 +1,17 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens with paged KV.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens with paged KV: the
+serving model.
 
-Module and parameter names follow Hugging Face's, except that q/k/v and gate/up projections are fused
-into one matmul each (the loader concatenates the checkpoint's shards).
+Module and parameter names follow Hugging Face's (hf_names.py spells them), except that q/k/v and gate/up
+projections are fused into one matmul each (the loader concatenates the checkpoint's shards;
+hf_names.FUSED).
+
+The synthetic presets' trainer (synthetic/train.py) keeps a Llama of its own, on purpose: this one runs a
+flat batch of tokens against the paged KV cache (batch metadata; every layer stores its keys and values
+into the cache in place, then attends through a backend whose Triton and C kernels have no backward),
+and fuses q/k/v and gate/up; training wants dense causal attention over [batch, window] with autograd,
+and Hugging Face's unfused layout, whose state_dict is the checkpoint it writes. What both need is shared:
+RMSNorm (here), RoPE's tables and rotation (rope.py) and the tensor names (hf_names.py);
+tests/engine/test_hf_names.py holds both models' parameters to hf_names' tables.
 """
 
 from __future__ import annotations

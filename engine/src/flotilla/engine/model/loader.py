@@ -9,20 +9,12 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from flotilla.engine.model import hf_names
 from flotilla.engine.model.config import ModelConfig, ModelLoadError, check_quantization
 from flotilla.engine.model.llama import LlamaForCausalLM
 from flotilla.engine.model.quantize import quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# checkpoint projection -> (our fused parameter, index of its shard)
-FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -91,7 +83,7 @@ def load_model(
     params = dict(model.named_parameters())
     expected = set(params)
     if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
+        expected.discard(hf_names.weight(hf_names.LM_HEAD))
     loaded: set[str] = set()
     shards_seen: dict[str, set[int]] = {}
 
@@ -105,9 +97,9 @@ def load_model(
             with safe_open(f, framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                     progress.update(1)
-                    if name.endswith(IGNORED_SUFFIXES):
+                    if name.endswith(hf_names.IGNORED_SUFFIXES):
                         continue
-                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                    if name == hf_names.weight(hf_names.LM_HEAD) and config.tie_word_embeddings:
                         continue
                     tensor = handle.get_tensor(name)
                     _load_one(f, name, tensor, params, config, loaded, shards_seen)
@@ -130,16 +122,11 @@ def load_model(
 
 
 def _load_one(file, name, tensor, params, config, loaded, shards_seen) -> None:
-    parts = name.split(".")
-    target = name
-    shard = None
-    if len(parts) >= 3 and parts[-2] in FUSED:
-        fused, shard = FUSED[parts[-2]]
-        target = ".".join(parts[:-2] + [fused, parts[-1]])
+    target, fused, shard = hf_names.serving_parameter(name)
     param = params.get(target)
     if param is None:
         raise ModelLoadError(f"{file}: tensor {name!r} does not belong to a {config.architecture}")
-    if shard is None:
+    if fused is None or shard is None:
         if tuple(param.shape) != tuple(tensor.shape):
             raise ModelLoadError(
                 f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
@@ -147,7 +134,7 @@ def _load_one(file, name, tensor, params, config, loaded, shards_seen) -> None:
         param.copy_(tensor)
         loaded.add(target)
         return
-    sizes = _shard_sizes(target, config)
+    sizes = hf_names.shard_rows(config, fused)
     offset = sum(sizes[:shard])
     piece = param.narrow(0, offset, sizes[shard])
     if tuple(piece.shape) != tuple(tensor.shape):
@@ -159,11 +146,3 @@ def _load_one(file, name, tensor, params, config, loaded, shards_seen) -> None:
     seen.add(shard)
     if len(seen) == len(sizes):
         loaded.add(target)
-
-
-def _shard_sizes(target: str, config: ModelConfig) -> list[int]:
-    if ".qkv_proj." in target:
-        q = config.num_attention_heads * config.head_dim
-        kv = config.num_key_value_heads * config.head_dim
-        return [q, kv, kv]
-    return [config.intermediate_size, config.intermediate_size]

@@ -47,10 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.engine.model import hf_names
+
 log = logging.getLogger(__name__)
 
 # The decoder's linear layers, by their names in llama.py (q/k/v and gate/up fused).
-QUANTIZED_LAYERS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+QUANTIZED_LAYERS = hf_names.SERVING_LINEARS
 DEQUANTIZE = "dequantize-then-matmul"
 _EPS = 1e-12  # the smallest scale: an all-zero row or group quantizes to zeros
 _PROBE_ROWS = 3
@@ -296,8 +298,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int, device: torch
             linear.to(device)
             if method == "int4" and linear.in_features % group_size:
                 raise ValueError(
-                    f"group size {group_size} does not divide layers.{i}.{path}'s {linear.in_features} "
-                    "input features"
+                    f"group size {group_size} does not divide {hf_names.layer_module(i, path)}'s "
+                    f"{linear.in_features} input features"
                 )
             quantized: QuantizedLinear = (
                 Int8Linear(linear, compute) if method == "int8" else Int4Linear(linear, compute, group_size)

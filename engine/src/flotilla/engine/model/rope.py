@@ -1,5 +1,6 @@
 """Rotary position embeddings with Hugging Face's numerics (rotate-half layout), including the linear
-and llama3 frequency scalings. cos/sin are precomputed for every position."""
+and llama3 frequency scalings. cos/sin are precomputed for every position. The serving model (llama.py)
+and the synthetic presets' trainer (synthetic/train.py) both use these tables and `rotate`."""
 
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     raise ValueError(f"unsupported rope scaling {kind!r}")
 
 
+def cos_sin_tables(
+    head_dim: int, max_positions: int, theta: float, scaling: dict | None, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's angles, [max_positions, head_dim] in float32, each frequency twice
+    (the rotate-half layout); the serving model's RotaryEmbedding and the trainer's model both use them."""
+    with torch.device(device or "cpu"):
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -42,14 +56,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def build(self, device) -> None:
         """(Re)compute the tables; the loader calls this after materialising a meta-device model."""
-        head_dim, max_positions, theta, scaling = self.args
-        with torch.device(device or "cpu"):
-            inv_freq = inverse_frequencies(head_dim, theta, scaling)
-            positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos, self.sin = cos_sin_tables(*self.args, device=device)
 
     def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
         """cos and sin at `positions`, [T, 1, D] in `dtype`: looked up once per forward, used by every
@@ -61,7 +68,9 @@ Rotation = tuple[torch.Tensor, torch.Tensor]
 
 
 def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
-    """x: [T, heads, D] (queries and keys together, in one pass); returns a rotated copy."""
+    """x: [..., D], broadcasting against cos and sin: [T, heads, D] with a serving Rotation ([T, 1, D];
+    queries and keys together, in one pass), [B, heads, T, D] with the trainer's [T, D] tables; returns a
+    rotated copy."""
     cos, sin = rotation
     return x * cos + _rotate_half(x) * sin
 

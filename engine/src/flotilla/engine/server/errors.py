@@ -1,6 +1,6 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, and the strict reading of
-JSON request bodies that produces them: size limit (413), UTF-8 (400), JSON syntax (400) and the
-pydantic schema (400, naming the field)."""
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}} (built by
+flotilla.openai_errors, as the gateway's are), and the strict reading of JSON request bodies that produces
+them: size limit (413), UTF-8 (400), JSON syntax (400) and the pydantic schema (400, naming the field)."""
 
 from __future__ import annotations
 
@@ -11,40 +11,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from flotilla.openai_errors import OpenAIError
+
 T = TypeVar("T", bound=BaseModel)
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-}
 
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict:
-        kind = _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+class ApiError(OpenAIError):
+    """A refusal of the engine's own (flotilla.openai_errors builds the body, as the gateway's)."""
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

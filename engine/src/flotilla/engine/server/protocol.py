@@ -180,27 +180,6 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

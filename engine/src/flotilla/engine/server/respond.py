@@ -3,13 +3,13 @@ released exactly once, and a client that leaves aborts its engine requests."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from flotilla.disconnect import ClientDisconnected, until_disconnected
 from flotilla.engine.async_engine import EngineDeadError
 from flotilla.engine.server.errors import ApiError
 from flotilla.engine.server.gate import Gate
@@ -28,7 +28,9 @@ async def respond(
         return _TrackedStream(events, release, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
     try:
-        return JSONResponse(await _until_disconnect(request, body()))
+        return JSONResponse(await until_disconnected(body(), request.receive))
+    except ClientDisconnected:  # its engine requests were aborted with the cancelled body
+        raise ApiError(499, "the client closed the connection", code="client_closed") from None
     except EngineDeadError as exc:
         raise ApiError(500, f"the engine failed: {exc}", code="engine_error") from exc
     finally:
@@ -52,26 +54,3 @@ class _TrackedStream(StreamingResponse):
             if aclose is not None:  # engine requests if it had started
                 with contextlib.suppress(Exception):
                     await aclose()
-
-
-async def _until_disconnect(request: Request, work: Awaitable):
-    """Awaits `work`, cancelling it (and so aborting its engine requests) if the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ApiError(499, "the client closed the connection", code="client_closed")
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

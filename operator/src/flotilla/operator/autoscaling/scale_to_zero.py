@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+
+from flotilla.timestamps import parse_time
 
 DEMAND = "Demand"  # the reason of a scale from zero
 IDLE = "Idle"  # the reason of a scale to zero
@@ -26,16 +27,10 @@ def demand_time(value: str | None) -> float | None:
     """The demand annotation's time in seconds since the epoch; None when absent or not RFC 3339."""
     if not value:
         return None
-    text = value.strip()
-    if text[-1:] in ("Z", "z"):
-        text = text[:-1] + "+00:00"
     try:
-        stamp = datetime.fromisoformat(text)
+        return parse_time(value).timestamp()
     except ValueError:
         return None
-    if stamp.tzinfo is None:  # RFC 3339 requires an offset; a bare time is read as UTC
-        stamp = stamp.replace(tzinfo=UTC)
-    return stamp.timestamp()
 
 
 def fresh_demand(demand_at: float | None, now: float, idle_seconds: float) -> bool:

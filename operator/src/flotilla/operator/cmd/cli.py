@@ -49,12 +49,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_module_arguments(smoke, "smoke_test")
     smoke.set_defaults(func=lambda args: _run_module(args, "smoke_test"))
 
-    bench = subparsers.add_parser(
-        "bench", help="scale benchmark: N InferenceServices on a simulated cluster; prints figures"
-    )
-    _add_bench_arguments(bench)
-    bench.set_defaults(func=_bench)
-
     run = subparsers.add_parser("run", help="run the operator (kopf) against the current kubeconfig")
     run.add_argument("--kubeconfig", type=Path, help="default: $KUBECONFIG or in-cluster")
     run.add_argument("--namespace", action="append", help="watch only these namespaces (default: all)")
@@ -110,18 +104,6 @@ def _run_module(args: argparse.Namespace, module: str) -> int:
     import importlib
 
     return importlib.import_module(f"flotilla.operator.cmd.{module}").run(args)
-
-
-def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from flotilla.operator.cmd.bench import add_arguments  # import-light: argparse, yaml
-
-    add_arguments(parser)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from flotilla.operator.cmd.bench import run
-
-    return run(args)
 
 
 def _crds(args: argparse.Namespace) -> int:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import UTC, datetime
 
 import kopf
 
+from flotilla import timestamps
 from flotilla.contract import ANNOTATION_DEMAND
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, VERSION, Autoscaling
 from flotilla.operator.autoscaling import metrics as autoscale_metrics
@@ -55,10 +55,6 @@ SCRAPE_TIMEOUT_SECONDS = 2.0
 
 def _autoscaled(spec, **_) -> bool:
     return bool((spec or {}).get("autoscaling"))
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _quota(
@@ -187,7 +183,7 @@ class _Daemon:
         status = autoscaling_status(
             step,
             previous=self.written,
-            now=_now(),
+            now=timestamps.now(),
             generation=obj["metadata"].get("generation", 0),
             scaled=scaled,
             source=metrics_source(prometheus_url, fallback),

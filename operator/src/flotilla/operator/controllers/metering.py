@@ -17,6 +17,7 @@ from typing import cast
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from flotilla import timestamps
 from flotilla.operator.api.v1alpha1 import (
     GROUP,
     TENANT,
@@ -44,7 +45,6 @@ from flotilla.operator.naming import (
 from flotilla.operator.tenancy.metering import (
     cost,
     count_tokens,
-    format_time,
     meter,
     metered_end,
     parse_time,
@@ -236,7 +236,7 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     views = usage_views(ledger, now)
     total_cost = cost(views.total.by_gpu_type, spec.price_per_gpu_hour)
     served = tokens.input + tokens.output
-    stamp = format_time(now)
+    stamp = timestamps.from_epoch(now, micro=True)
     new_status = TenantStatus(
         gpus_allocated=allocated,
         gpu_quota=dict(spec.gpu_quota),

@@ -16,11 +16,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from flotilla import timestamps
 from flotilla.operator.clients.kube import api_error_message
 from flotilla.operator.controllers import backstop, failpoints
 from flotilla.operator.controllers.indexes import index_one, labels_by_namespace, tenant_specs
@@ -40,10 +40,6 @@ Choose = Callable[[Plan, Key], list[dict]]
 
 class ApplyFailed(Exception):
     pass
-
-
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def reconcile(rt: Runtime, obj: dict, idx: dict, trigger: str) -> Plan:
@@ -176,7 +172,7 @@ def _plan(rt: Runtime, obj: dict, key: Key, idx: dict) -> Plan:
             _seed_held(rt, idx)
         world = World(
             config=rt.config,
-            now=now(),
+            now=timestamps.now(),
             gpu_types=set(idx["gpu_nodes"].keys()),
             tenants=tenant_specs(idx["tenants"]),
             namespace_labels=labels_by_namespace(idx["namespace_labels"]),
@@ -208,7 +204,7 @@ def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[di
     failures = list(refused.values()) if result.children else []
     status, events = result.status, list(result.events)
     if failures:
-        status = with_apply_failures(status, failures, now())
+        status = with_apply_failures(status, failures, timestamps.now())
         before = rt.written_status.get(key, obj.get("status")) or {}
         if before.get("message") != status["message"]:
             events.append(Event("Warning", "ApplyFailed", status["message"]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from flotilla.contract import SCHEDULING_FAIR
 from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.desired.status import (
@@ -22,7 +23,6 @@ from flotilla.operator.desired.status import (
 )
 from flotilla.operator.desired.validation import Problem, check
 from flotilla.operator.desired.workload import (
-    FAIR,
     Decision,
     Owner,
     children,
@@ -106,7 +106,9 @@ def plan(obj: dict, world: World) -> Plan:
         decision = Decision(
             tenant=tenant or NO_TENANT,
             replicas=desired,
-            tenant_weights=scheduling_weights(world.tenants) if spec.engine.scheduling_policy == FAIR else (),
+            tenant_weights=scheduling_weights(world.tenants)
+            if spec.engine.scheduling_policy == SCHEDULING_FAIR
+            else (),
         )
         # The namespace's shared objects first: the engine pods read the token Secret when they start.
         desired_children = [
@@ -164,7 +166,7 @@ def uses_tenant_weights(obj: dict) -> bool:
     change of any Tenant's schedulingWeight must re-plan it. Read from the raw object: the kopf layer asks
     before any parsing."""
     engine = (obj.get("spec") or {}).get("engine") or {}
-    return engine.get("schedulingPolicy") == FAIR
+    return engine.get("schedulingPolicy") == SCHEDULING_FAIR
 
 
 def status_changed(current: dict | None, new: dict) -> bool:

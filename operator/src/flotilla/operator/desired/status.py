@@ -27,7 +27,6 @@ READY, VALID, QUOTA_ADMITTED, PROGRESSING, DEGRADED = (
     "Progressing",
     CONDITION_DEGRADED,
 )
-CONDITION_TYPES = (READY, VALID, QUOTA_ADMITTED, PROGRESSING, DEGRADED)
 
 # Container waiting reasons that mean the pod will not get better by itself.
 _BAD_WAITING = {

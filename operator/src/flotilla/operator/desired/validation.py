@@ -16,8 +16,8 @@ from pydantic_core import ErrorDetails
 
 from flotilla.operator.api.v1alpha1 import EngineSettings, InferenceServiceSpec
 from flotilla.operator.desired.model_source import ModelUriError, parse_model_uri
-from flotilla.operator.desired.workload import quantity_bytes
 from flotilla.operator.naming import GPU_TYPE_LABEL
+from flotilla.quantity import quantity_bytes
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ with server-side apply, so every field written here is a field the operator owns
 from __future__ import annotations
 
 import base64
-import re
 from dataclasses import dataclass
 
 from flotilla.contract import (
@@ -24,6 +23,7 @@ from flotilla.contract import (
     HEALTH_PATH,
     IMAGE_UID,
     METRICS_PATH,
+    SCHEDULING_FAIR,
     EngineArgs,
     engine_base_url,
     engine_serve_argv,
@@ -45,6 +45,7 @@ from flotilla.operator.naming import (
     child_labels,
     selector_labels,
 )
+from flotilla.quantity import quantity_bytes
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,6 @@ def target_replicas(spec: InferenceServiceSpec) -> int:
     return max(spec.autoscaling.min_replicas, min(spec.replicas, spec.autoscaling.max_replicas))
 
 
-FAIR = "fair"
 DRAFT = "draft"
 
 
@@ -111,7 +111,7 @@ def engine_args(
         prefix_caching=engine.prefix_caching,
         dtype=engine.dtype,
         scheduling_policy=engine.scheduling_policy,
-        tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == FAIR else (),
+        tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == SCHEDULING_FAIR else (),
         quantization=engine.quantization,
         quantization_group_size=engine.quantization_group_size,
         speculative_method=speculative.method if speculative else None,
@@ -125,23 +125,6 @@ def engine_args(
 def engine_flags(engine: EngineSettings) -> list[str]:
     """`flotilla engine serve` flags for the engine settings in the spec."""
     return engine_args(engine).flags()
-
-
-_QUANTITY_SUFFIXES = {
-    **{s: 1000**i for i, s in enumerate(["", "k", "M", "G", "T", "P", "E"])},
-    **{s: 1024**i for i, s in enumerate(["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"], start=1)},
-}
-
-
-_QUANTITY = re.compile(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
-
-
-def quantity_bytes(quantity: str | int) -> int:
-    """A Kubernetes quantity ("2Gi", "500M", 1073741824) as a whole number of bytes."""
-    match = _QUANTITY.fullmatch(str(quantity).strip())
-    if match is None:
-        raise ValueError(f"{quantity!r} is not a byte quantity (examples: 2Gi, 512Mi, 1073741824)")
-    return int(float(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2) or ""])
 
 
 def engine_command(

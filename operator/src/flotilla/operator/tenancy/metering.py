@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
+from flotilla import timestamps
 from flotilla.operator.api.v1alpha1 import GPUSeconds, MeteringLedger, TenantUsage, TokenCount
 from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL
 
@@ -50,11 +51,7 @@ class Span:
 def parse_time(value: str | None) -> float | None:
     if not value:
         return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def format_time(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return timestamps.parse_time(value).timestamp()
 
 
 def pod_gpus(pod: Mapping) -> int:

@@ -1,0 +1,214 @@
+"""The benchmarks' subprocesses: engines, gateways and the stub upstream, each `sys.executable -m ...` with
+its output in a log file, waited for until /health answers 200, stopped by pid (SIGTERM, then SIGKILL).
+
+Commands come from the contract's builders and flag names (engine_serve_argv), never spelled here, so a
+renamed flag breaks the benchmark at its source."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from flotilla.contract import (
+    CLI,
+    ENGINE_SERVE,
+    FLAG_HOST,
+    FLAG_KV_CACHE_MEMORY,
+    FLAG_PORT,
+    HEALTH_PATH,
+    EngineArgs,
+    engine_serve_argv,
+)
+
+HOST = "127.0.0.1"
+# Never through a proxy from the environment: every URL here is a local process.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+PYTHON_CLI = (sys.executable, "-m", "flotilla.cli")  # the `flotilla` command of this interpreter
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports the kernel had free (all bound at once, then released)."""
+    held = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((HOST, 0))
+            held.append(sock)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def cli(*argv: str) -> list[str]:
+    """`flotilla ARGV...` run by this interpreter (argv[0] of the contract's commands is CLI)."""
+    return [*PYTHON_CLI, *(argv[1:] if argv and argv[0] == CLI else argv)]
+
+
+def engine_argv(model: Path, name: str, port: int, kv_cache_memory: str | None, threads: int | None,
+                prefix_caching: bool = True) -> list[str]:  # fmt: skip
+    """`flotilla engine serve` for one benchmark replica: no shutdown delay (nothing routes by Endpoints
+    here), `--threads` so that several engines share few cores without oversubscribing them."""
+    extra: tuple[str, ...] = ("--threads", str(threads)) if threads else ()
+    if kv_cache_memory:
+        extra += (FLAG_KV_CACHE_MEMORY, kv_cache_memory)
+    argv = engine_serve_argv(
+        model_path=str(model), served_name=name, host=HOST, port=port, shutdown_delay=0, drain_timeout=5,
+        engine=EngineArgs(prefix_caching=None if prefix_caching else False, extra_args=extra),
+    )  # fmt: skip
+    assert tuple(argv[: len(ENGINE_SERVE)]) == ENGINE_SERVE
+    return cli(*argv)
+
+
+def gateway_argv(models: dict[str, list[str]], routing: str, port: int) -> list[str]:
+    argv = [*PYTHON_CLI, "gateway", "run", "--routing", routing, FLAG_HOST, HOST, FLAG_PORT, str(port)]
+    for name, urls in models.items():
+        argv += ["--static-model", f"{name}={','.join(urls)}"]
+    return argv
+
+
+def pin_to(cpus: Iterable[int]) -> Callable[[], None]:
+    """A preexec_fn that pins the child to `cpus`."""
+    chosen = set(cpus)
+
+    def pin() -> None:
+        os.sched_setaffinity(0, chosen)
+
+    return pin
+
+
+class Proc:
+    """One subprocess with a URL and a log file."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log: Path, cpus: Iterable[int] | None = None):
+        self.name, self.argv, self.port, self.log = name, argv, port, log
+        self.url = f"http://{HOST}:{port}"
+        self.cpus = sorted(cpus) if cpus is not None else None
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log, "wb") as out:
+            out.write(f"$ {' '.join(self.argv)}\n".encode())
+            out.flush()
+            # A session of its own: Ctrl-C reaches the benchmark, which stops its children in order.
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True, preexec_fn=pin_to(self.cpus) if self.cpus is not None else None,
+            )  # fmt: skip
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def log_tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds; only this child's pid."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(5)
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def wait_healthy(procs: list[Proc], timeout: float) -> None:
+    """Polls each /health until 200; fails at once if a process exits, or at the deadline, naming the log."""
+    deadline = time.monotonic() + timeout
+    waiting = list(procs)
+    while waiting:
+        for proc in list(waiting):
+            code = proc.proc.poll() if proc.proc else None
+            if code is not None:
+                raise StartupError(f"{proc.name} exited with code {code} before it was healthy; its log, "
+                                   f"{proc.log}, ends:\n{proc.log_tail()}")  # fmt: skip
+            if health(proc.url) == 200:
+                waiting.remove(proc)
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(f"{p.name} (log: {p.log})" for p in waiting)
+            raise StartupError(f"not healthy within {timeout:g}s: {names}; the first log ends:\n"
+                               f"{waiting[0].log_tail()}")  # fmt: skip
+        time.sleep(0.25)
+
+
+def health(url: str) -> int | None:
+    try:
+        with _OPENER.open(url + HEALTH_PATH, timeout=2) as rsp:
+            return rsp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+def get_text(url: str, timeout: float = 10.0) -> str:
+    with _OPENER.open(url, timeout=timeout) as rsp:
+        return rsp.read().decode(errors="replace")
+
+
+def stop_all(procs: Iterable[Proc]) -> None:
+    """Stops every started process, the last started first; never raises."""
+    for proc in reversed(list(procs)):
+        try:
+            proc.stop()
+        except Exception as exc:  # keep stopping the others
+            progress(f"could not stop {proc.name} (pid {proc.pid}): {exc}")
+
+
+def ensure_model(model: Path | None, out: Path, preset: str = "tiny-llama") -> Path:
+    """The model folder: the one given, or `out/<preset>`, created with `flotilla model init` once."""
+    if model is not None:
+        if not (model / "config.json").is_file():
+            raise StartupError(f"{model} is not a model folder (no config.json)")
+        return model
+    folder = out / preset
+    if not (folder / "config.json").is_file():
+        progress(f"creating the {preset} model in {folder} (flotilla model init)")
+        log = out / "model-init.log"
+        with open(log, "wb") as output:
+            code = subprocess.call(cli(CLI, "model", "init", "--preset", preset, str(folder)),
+                                   stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
+        if code != 0:
+            raise StartupError(f"flotilla model init failed (code {code}); see {log}")
+    return folder
+
+
+def model_context(model: Path) -> int:
+    """The model's context length (max_position_embeddings of its config.json)."""
+    config = json.loads((model / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+def available_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))

@@ -1,0 +1,201 @@
+"""`flotilla gateway bench`: its pure parts (percentiles, exposition parsing, the workload, the summaries,
+the commands it builds). No processes: the benchmarks themselves run by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from flotilla.bench.gateway.figures import (
+    ChatRecord,
+    compare_policies,
+    distribution,
+    format_routing,
+    json_safe,
+    overhead_summary,
+    percentile,
+    routing_summary,
+    sample_by_label,
+    sample_sum,
+    throughput_summary,
+)
+from flotilla.bench.gateway.procs import PYTHON_CLI, engine_argv, gateway_argv
+from flotilla.bench.gateway.stub import answer
+from flotilla.bench.gateway.workload import chat_messages, longest_prompt_words, make_workload
+from flotilla.cli import build_parser
+from flotilla.contract import (
+    ENGINE_SERVE,
+    ENGINE_TOKENIZER_PATH,
+    FLAG_MODEL,
+    FLAG_PORT,
+    FLAG_SHUTDOWN_DELAY,
+    GATEWAY_ROUTING_DECISIONS,
+    LABEL_REASON,
+    OPENAI_PATH,
+    PREFIX_CACHE_HITS,
+    counter_total,
+)
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 95) == pytest.approx(3.85)
+    assert percentile([7.0], 95) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_distribution_is_in_milliseconds() -> None:
+    d = distribution([0.001, 0.002, 0.003])
+    assert d["n"] == 3
+    assert d["p50"] == pytest.approx(2.0)
+    assert d["mean"] == pytest.approx(2.0)
+    assert d["max"] == pytest.approx(3.0)
+    assert set(d) == {"n", "mean", "p50", "p90", "p95", "p99", "max"}
+
+
+EXPOSITION = f"""# HELP flotilla_prefix_cache_hits_total Prompt tokens found in the prefix cache.
+# TYPE flotilla_prefix_cache_hits_total counter
+{counter_total(PREFIX_CACHE_HITS)}{{model="tiny",service="",tenant=""}} 120.0
+{counter_total(PREFIX_CACHE_HITS)}{{model="other",service="",tenant=""}} 30.0
+{PREFIX_CACHE_HITS}_created{{model="tiny"}} 1.7e9
+{counter_total(GATEWAY_ROUTING_DECISIONS)}{{{LABEL_REASON}="prefix_hit"}} 7.0
+{counter_total(GATEWAY_ROUTING_DECISIONS)}{{{LABEL_REASON}="least_load"}} 2.0
+plain_gauge 3
+"""
+
+
+def test_exposition_sums_and_groups_by_label() -> None:
+    assert sample_sum(EXPOSITION, counter_total(PREFIX_CACHE_HITS)) == 150.0
+    assert sample_sum(EXPOSITION, "plain_gauge") == 3.0
+    assert sample_sum(EXPOSITION, "absent_total") == 0.0
+    by_reason = sample_by_label(EXPOSITION, counter_total(GATEWAY_ROUTING_DECISIONS), LABEL_REASON)
+    assert by_reason == {"prefix_hit": 7.0, "least_load": 2.0}
+
+
+def test_workload_is_deterministic_and_shaped_as_asked() -> None:
+    a = make_workload(systems=4, users=10, turns=3, system_words=50, user_words=8, seed=3)
+    b = make_workload(systems=4, users=10, turns=3, system_words=50, user_words=8, seed=3)
+    c = make_workload(systems=4, users=10, turns=3, system_words=50, user_words=8, seed=4)
+    assert a == b
+    assert a != c
+    assert len(set(a.system_prompts)) == 4
+    # distinct from the first word: no block of one system prompt is a block of another
+    assert len({p.split()[0] for p in a.system_prompts}) == 4
+    assert [c.index for c in a.conversations] == list(range(10))
+    assert sorted(c.user for c in a.conversations) == list(range(10))
+    assert all(c.system == c.user % 4 and len(c.messages) == 3 for c in a.conversations)
+    assert a.turns == 3 and a.requests == 30
+    assert all(len(p.split()) == 50 for p in a.system_prompts)
+
+
+def test_workload_preamble_is_shared() -> None:
+    w = make_workload(systems=3, users=3, turns=1, system_words=20, user_words=5, preamble_words=6)
+    firsts = {tuple(p.split()[:6]) for p in w.system_prompts}
+    assert len(firsts) == 1
+    assert len({p.split()[6] for p in w.system_prompts}) == 3
+    with pytest.raises(ValueError):
+        make_workload(systems=0, users=1, turns=1, system_words=1, user_words=1)
+
+
+def test_chat_messages_carry_the_history() -> None:
+    messages = chat_messages("sys", [("q0", "a0"), ("q1", "a1")], "q2")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in messages] == ["sys", "q0", "a0", "q1", "a1", "q2"]
+    w = make_workload(systems=1, users=2, turns=2, system_words=10, user_words=3)
+    assert longest_prompt_words(w, reply_words=4) == max(
+        len(w.system_prompts[0].split()) + sum(len(m.split()) for m in c.messages) + 4
+        for c in w.conversations
+    )
+
+
+def _records(ttfts: list[float], turn: int = 0) -> list[ChatRecord]:
+    return [ChatRecord(conversation=i, system=0, turn=turn, start=0.0, ok=True, ttft=t, latency=t + 0.1,
+                       output_tokens=16, prompt_tokens=100, cached_tokens=50) for i, t in enumerate(ttfts)]  # fmt: skip
+
+
+def test_routing_summary_and_comparison() -> None:
+    failed = ChatRecord(conversation=9, system=0, turn=1, start=0.0, error="HTTP 500: boom")
+    slow = routing_summary(_records([0.4] * 19 + [2.0]) + [failed], 10.0, engine_hits=50, engine_queries=100,
+                           gateway_hit_tokens=0, gateway_prompt_tokens=2000, decisions={"round_robin": 20},
+                           replica_requests=[7, 7, 6])  # fmt: skip
+    fast = routing_summary(_records([0.1] * 20, turn=1), 5.0, engine_hits=90, engine_queries=100,
+                           gateway_hit_tokens=1800, gateway_prompt_tokens=2000, decisions={"prefix_hit": 20, "least_load": 0})  # fmt: skip
+    assert slow["requests"] == 21 and slow["ok"] == 20 and slow["failed"] == 1
+    assert slow["errors"] == ["HTTP 500: boom"]
+    assert slow["output_tok_s"] == pytest.approx(32.0)
+    assert slow["engine_prefix_hit_rate"] == pytest.approx(0.5)
+    assert slow["usage_cached_share"] == pytest.approx(0.5)
+    assert slow["replica_requests"] == [7, 7, 6]
+    assert fast["gateway_predicted_hit_share"] == pytest.approx(0.9)
+    assert fast["routing_decisions"] == {"prefix_hit": 20}
+    assert fast["ttft_first_turn_ms"]["n"] == 0 and fast["ttft_later_turns_ms"]["n"] == 20
+    comparison = compare_policies({"round-robin": slow, "prefix": fast}, target=2.0)
+    assert comparison is not None
+    assert comparison["ttft_p95_ratio"] == pytest.approx(slow["ttft_ms"]["p95"] / 100.0)
+    assert (comparison["baseline"], comparison["candidate"], comparison["met"]) == (
+        "round-robin",
+        "prefix",
+        True,
+    )
+    same = compare_policies({"a": fast, "b": fast}, target=2.0)
+    assert same is not None and same["met"] is False
+    assert compare_policies({"prefix": fast}, target=2.0) is None
+    assert "target" not in format_routing({"prefix": fast}, None)
+    report = json.loads(
+        json.dumps(json_safe({"policies": {"rr": slow, "prefix": fast}, "comparison": comparison}))
+    )
+    assert report["policies"]["prefix"]["ttft_first_turn_ms"]["p50"] is None  # NaN -> null
+    text = format_routing({"round-robin": slow, "prefix": fast}, comparison)
+    assert "round-robin / prefix: " in text and "MET" in text and "7/7/6" in text
+
+
+def test_overhead_and_throughput_summaries() -> None:
+    summary = overhead_summary([0.010, 0.011, 0.012], [0.0115, 0.0125, 0.0135], target_p50_ms=2.0)
+    assert summary["added_ms"]["p50"] == pytest.approx(1.5)
+    assert summary["met"] is True
+    assert overhead_summary([0.010], [0.013], target_p50_ms=2.0)["met"] is False
+    assert not overhead_summary([], [], 2.0)["met"]
+    t = throughput_summary([0.01] * 500, errors=1, duration=2.0, concurrency=32)
+    assert t["requests_per_s"] == 250.0 and t["errors"] == 1 and t["latency_ms"]["p50"] == pytest.approx(10.0)
+
+
+def test_commands_use_this_interpreter_and_the_contract() -> None:
+    argv = engine_argv(Path("/m"), "tiny", 1234, "256MiB", 1)
+    assert argv[: len(PYTHON_CLI)] == list(PYTHON_CLI)
+    assert argv[len(PYTHON_CLI) : len(PYTHON_CLI) + 2] == list(ENGINE_SERVE[1:])
+    assert argv[argv.index(FLAG_MODEL) + 1] == "/m" and argv[argv.index(FLAG_PORT) + 1] == "1234"
+    assert argv[argv.index(FLAG_SHUTDOWN_DELAY) + 1] == "0"
+    assert argv[argv.index("--threads") + 1] == "1"
+    parsed = build_parser().parse_args(argv[len(PYTHON_CLI) :])  # the engine's own parser accepts it
+    assert parsed.port == 1234 and parsed.threads == 1
+    gateway = gateway_argv({"tiny": ["http://a", "http://b"]}, "prefix", 99)
+    parsed = build_parser().parse_args(gateway[len(PYTHON_CLI) :])
+    assert parsed.static_model == ["tiny=http://a,http://b"] and parsed.routing == "prefix"
+
+
+def test_bench_flags_parse() -> None:
+    args = build_parser().parse_args(
+        ["gateway", "bench", "routing", "--users", "12", "--policies", "round-robin,prefix"]
+    )
+    assert args.users == 12 and args.policies == ("round-robin", "prefix") and args.concurrency >= 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gateway", "bench", "routing", "--policies", "random"])
+    args = build_parser().parse_args(["gateway", "bench", "overhead", "--requests", "50"])
+    assert args.requests == 50 and args.concurrency == 32
+
+
+def test_stub_answers() -> None:
+    ok = answer("POST", OPENAI_PATH + "/completions")
+    assert ok.startswith(b"HTTP/1.1 200 OK\r\n")
+    head, _, body = ok.partition(b"\r\n\r\n")
+    assert int(dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])[b"content-length"]) == len(body)
+    assert json.loads(body)["choices"][0]["text"]
+    assert answer("GET", ENGINE_TOKENIZER_PATH).startswith(b"HTTP/1.1 404")
