@@ -2,17 +2,24 @@
 
 Both halves import this module and never each other. It holds the engine's port and paths, its metric
 and label names (and its latency buckets), the operator's own series names (read by the monitoring rules,
-flotilla.monitoring), the environment variables the operator sets on engine pods, and the functions that
-build the commands the operator runs in a pod (`flotilla engine serve ...`, `flotilla model fetch ...`).
-tests/test_contract.py parses every command the operator can build with the engine's own CLI parser, so a
-renamed flag or a missing subcommand fails a test instead of a pod. Standard library only.
+flotilla.monitoring), the environment variables the operator sets on engine pods, the engine's knobs
+(ENGINE_KNOBS: each setting of an engine declared once, with its flag, default, parser and the
+InferenceService field that sets it) and the functions that build the commands the operator runs in a pod
+(`flotilla engine serve ...`, `flotilla model fetch ...`). tests/test_contract.py parses every command the
+operator can build with the engine's own CLI parser, so a renamed flag or a missing subcommand fails a test
+instead of a pod. Standard library only (and flotilla.quantity, itself standard library only).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from flotilla.quantity import parse_byte_size
 
 # -- where the engine listens -------------------------------------------------------------------------
 ENGINE_PORT = 8000
@@ -279,77 +286,29 @@ CLI = "flotilla"
 ENGINE_SERVE = (CLI, "engine", "serve")
 MODEL_FETCH = (CLI, "model", "fetch")
 
-# `flotilla engine serve` flags the operator sets; the engine's parser declares them from these names.
-FLAG_MODEL = "--model"
+# `flotilla engine serve` flags that are not engine knobs (the server's, and the operator's drain timing).
 FLAG_HOST = "--host"
 FLAG_PORT = "--port"
 FLAG_SERVED_MODEL_NAME = "--served-model-name"
 FLAG_SHUTDOWN_DELAY = "--shutdown-delay"
 FLAG_DRAIN_TIMEOUT = "--drain-timeout"
-FLAG_MAX_NUM_SEQS = "--max-num-seqs"
-FLAG_MAX_NUM_BATCHED_TOKENS = "--max-num-batched-tokens"
-FLAG_BLOCK_SIZE = "--block-size"
-FLAG_KV_CACHE_MEMORY = "--kv-cache-memory"
-FLAG_NO_PREFIX_CACHING = "--no-prefix-caching"
-FLAG_DTYPE = "--dtype"
-FLAG_SCHEDULING_POLICY = "--scheduling-policy"
-FLAG_TENANT_WEIGHTS = "--tenant-weights"  # tenant=weight,tenant=weight
-FLAG_QUANTIZATION = "--quantization"  # one of QUANTIZATION_METHODS
-FLAG_QUANTIZATION_GROUP_SIZE = "--quantization-group-size"  # one of QUANTIZATION_GROUP_SIZES (int4)
-FLAG_SPECULATIVE_METHOD = "--speculative-method"  # one of SPECULATIVE_METHODS
-FLAG_NUM_SPECULATIVE_TOKENS = "--num-speculative-tokens"  # 1..MAX_SPECULATIVE_TOKENS
-FLAG_SPECULATIVE_MODEL = "--speculative-model"  # the draft model's folder (method draft)
-FLAG_SPECULATIVE_MAX_BATCH_SIZE = "--speculative-max-batch-size"  # speculate only up to this many running
 FLAG_FETCH_DEST = "--dest"
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    """An InferenceService's engine settings, as the engine's flags see them. None keeps the engine's
-    default; `extra_args` are appended verbatim (spec.engine.extraArgs)."""
-
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int | None = None
-    kv_cache_bytes: int | None = None
-    prefix_caching: bool | None = None  # on in the engine unless False
-    dtype: str | None = None
-    scheduling_policy: str | None = None  # one of SCHEDULING_POLICIES
-    tenant_weights: tuple[tuple[str, float], ...] = ()  # fair-share weights, for the fair policy
-    quantization: str | None = None  # one of QUANTIZATION_METHODS
-    quantization_group_size: int | None = None  # one of QUANTIZATION_GROUP_SIZES (int4 only)
-    speculative_method: str | None = None  # one of SPECULATIVE_METHODS
-    num_speculative_tokens: int | None = None
-    speculative_model: str | None = None  # a path in the container (method draft)
-    speculative_max_batch_size: int | None = None
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
-
-    def flags(self) -> list[str]:
-        flags = _valued(
-            (FLAG_MAX_NUM_SEQS, self.max_num_seqs),
-            (FLAG_MAX_NUM_BATCHED_TOKENS, self.max_num_batched_tokens),
-            (FLAG_BLOCK_SIZE, self.block_size),
-            (FLAG_KV_CACHE_MEMORY, self.kv_cache_bytes),
-        )
-        if self.prefix_caching is False:
-            flags.append(FLAG_NO_PREFIX_CACHING)
-        flags += _valued((FLAG_DTYPE, self.dtype), (FLAG_SCHEDULING_POLICY, self.scheduling_policy))
-        if self.tenant_weights:
-            flags += [FLAG_TENANT_WEIGHTS, format_tenant_weights(self.tenant_weights)]
-        flags += _valued(
-            (FLAG_QUANTIZATION, self.quantization),
-            (FLAG_QUANTIZATION_GROUP_SIZE, self.quantization_group_size),
-            (FLAG_SPECULATIVE_METHOD, self.speculative_method),
-            (FLAG_NUM_SPECULATIVE_TOKENS, self.num_speculative_tokens),
-            (FLAG_SPECULATIVE_MODEL, self.speculative_model),
-            (FLAG_SPECULATIVE_MAX_BATCH_SIZE, self.speculative_max_batch_size),
-        )
-        return flags + list(self.extra_args)
+# -- the engine's knobs: each one declared once, here ---------------------------------------------------------
+# A knob is one setting of an engine process. Its entry in ENGINE_KNOBS is where it is spelled: the engine's
+# EngineConfig field (flotilla.engine.config takes its defaults from here), its `flotilla engine serve` flag
+# with help, default, value parser and choices (flotilla.engine.engine_args declares the flags and builds the
+# EngineConfig from here, for the server and the benchmarks alike), and, for a knob the operator sets, where
+# its value comes from: the InferenceService field under spec.engine (the operator's desired/workload.py
+# reads it by this path) or the Tenants. EngineArgs.flags() writes the operator's argv from the same entries.
+# tests/test_engine_knobs.py fails when EngineConfig, the engine's parser, the CRD or the operator's argv
+# disagree with the table.
 
 
-def format_tenant_weights(weights: tuple[tuple[str, float], ...] | dict[str, float]) -> str:
+def format_tenant_weights(weights: Iterable[tuple[str, float]] | Mapping[str, float]) -> str:
     """`a=2,b=0.5`, sorted by tenant so the same weights always give the same argv."""
-    pairs = sorted(weights.items() if isinstance(weights, dict) else weights)
+    pairs = sorted(weights.items() if isinstance(weights, Mapping) else weights)
     return ",".join(f"{tenant}={weight:g}" for tenant, weight in pairs)
 
 
@@ -368,9 +327,339 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
     return weights
 
 
-def _valued(*pairs: tuple[str, object]) -> list[str]:
-    """`--flag value` for each pair whose value is set."""
-    return [part for flag, value in pairs if value is not None for part in (flag, str(value))]
+def parse_whole_number(text: str, minimum: int, rule: str) -> int:
+    """A whole number of at least `minimum`; a ValueError says `rule` (what it must be)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number") from None
+    if value < minimum:
+        raise ValueError(f"must be {rule}, got {value}")
+    return value
+
+
+def parse_thread_count(text: str) -> int:
+    """A thread count: 0 (the default count) or more."""
+    return parse_whole_number(text, 0, "0 (the default count) or more")
+
+
+def parse_positive_count(text: str) -> int:
+    """A count of at least 1."""
+    return parse_whole_number(text, 1, "1 or more")
+
+
+def parse_positive_counts(text: str) -> list[int]:
+    """Comma-separated counts of at least 1, e.g. 1,32."""
+    try:
+        return [parse_positive_count(part) for part in text.split(",")]
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc}") from None
+
+
+# How the operator turns a knob's InferenceService field into the knob's value.
+CRD_VALUE = "value"  # the field's value is the knob's
+CRD_QUANTITY = "quantity"  # a Kubernetes quantity, in bytes (flotilla.quantity.quantity_bytes)
+CRD_MODEL = "model"  # a model source the operator mounts in the pod: the knob's value is where
+
+# The attention implementations (`--attention-backend`). auto: triton on CUDA; on the CPU, cpu (the compiled
+# decode kernel) for float32 when it builds, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One engine setting. `name` is EngineConfig's field and EngineArgs' keyword; `flag` is its `flotilla
+    engine serve` flag, whose value `parse` reads (text -> value; a ValueError says what is wrong), or, for a
+    switch (`parse` None), which takes no value and sets the knob to `switch`. `choices` are every value it
+    takes: the engine's parser refuses others, or, where `parser_checks` is False, EngineConfig does, naming
+    the flag, the value and the rule. `help` may say {default} and name another knob's flag as {its_name}.
+    `show` writes a value as the flag's argument. A `required` knob has no default.
+
+    Where the operator sets it: `crd` is the InferenceService field under spec.engine (camelCase, dotted into
+    nested objects) and `crd_value` (CRD_*) how that field becomes the value; `from_tenants` knobs come from
+    the Tenants instead (their schedulingWeight). EngineArgs carries exactly these (`operator_sets`)."""
+
+    name: str
+    flag: str
+    help: str
+    default: Any = None
+    parse: Callable[[str], Any] | None = str
+    switch: Any = None
+    choices: tuple[Any, ...] = ()
+    parser_checks: bool = True
+    metavar: str | None = None
+    show: Callable[[Any], str] = str
+    required: bool = False
+    crd: str | None = None
+    crd_value: str = CRD_VALUE
+    from_tenants: bool = False
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse gives the flag's value (`--no-prefix-caching`: no_prefix_caching)."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def operator_sets(self) -> bool:
+        return self.crd is not None or self.from_tenants
+
+    def fresh_default(self) -> Any:
+        """The default; a mapping as a new dict (no two configs or parsers share one)."""
+        return dict(self.default) if isinstance(self.default, Mapping) else self.default
+
+    def argv(self, value: Any) -> list[str]:
+        """The flag for `value` (a switch: only when the value is the one it sets)."""
+        if self.parse is None:
+            return [self.flag] if value == self.switch else []
+        return [self.flag, self.show(value)]
+
+
+def _declare(*knobs: Knob) -> dict[str, Knob]:
+    flags = {knob.name: knob.flag for knob in knobs}
+    return {k.name: replace(k, help=k.help.format(default=k.default, **flags)) for k in knobs}
+
+
+# In the order the operator writes their flags (another order would roll every engine's pods).
+ENGINE_KNOBS: dict[str, Knob] = _declare(
+    Knob(name="model", flag="--model", help="a local Hugging Face model folder", required=True),
+    Knob(
+        name="max_num_seqs",
+        flag="--max-num-seqs",
+        help="most requests in one batch",
+        default=256,
+        parse=int,
+        crd="maxNumSeqs",
+    ),
+    Knob(
+        name="max_num_batched_tokens",
+        flag="--max-num-batched-tokens",
+        help="token budget of one step (prefill chunks included)",
+        default=2048,
+        parse=int,
+        crd="maxNumBatchedTokens",
+    ),
+    Knob(
+        name="block_size",
+        flag="--block-size",
+        help="tokens per KV block",
+        default=16,
+        parse=int,
+        crd="blockSize",
+    ),
+    Knob(
+        name="max_model_len",
+        flag="--max-model-len",
+        help="context length (default: the model's)",
+        parse=int,
+    ),
+    Knob(
+        name="kv_cache_memory",
+        flag="--kv-cache-memory",
+        help="bytes for the KV cache, e.g. 2GiB (default: 1 GiB on CPU, {gpu_memory_utilization} of free "
+        "memory on CUDA)",
+        parse=parse_byte_size,
+        crd="kvCacheMemory",
+        crd_value=CRD_QUANTITY,
+    ),
+    Knob(
+        name="gpu_memory_utilization",
+        flag="--gpu-memory-utilization",
+        help="on CUDA without {kv_cache_memory}: the fraction of free GPU memory the KV cache takes "
+        "(default {default})",
+        default=0.9,
+        parse=float,
+    ),
+    Knob(
+        name="enable_prefix_caching",
+        flag="--no-prefix-caching",
+        help="turn off prefix caching of KV blocks",
+        default=True,
+        parse=None,
+        switch=False,
+        crd="prefixCaching",
+    ),
+    Knob(
+        name="dtype", flag="--dtype", help="auto, bfloat16, float16 or float32", default="auto", crd="dtype"
+    ),
+    Knob(name="device", flag="--device", help="auto, cpu or cuda[:N]", default="auto"),
+    Knob(
+        name="attention_backend",
+        flag="--attention-backend",
+        help="auto: triton on CUDA; on the CPU, cpu (a decode kernel compiled on first use) for float32 "
+        "where a C compiler is found, else torch",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+    ),
+    Knob(
+        name="enforce_eager",
+        flag="--enforce-eager",
+        help="no CUDA graphs: run every decode step kernel by kernel (graphs are CUDA-only)",
+        default=False,
+        parse=None,
+        switch=True,
+    ),
+    Knob(
+        name="cuda_graph_sizes",
+        flag="--cuda-graph-sizes",
+        help="decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16 (default: 1, 2, 4, 8, then "
+        "every 16 up to 256 or {max_num_seqs}); a larger batch runs without a graph",
+        parse=parse_positive_counts,
+    ),
+    Knob(
+        name="scheduling_policy",
+        flag="--scheduling-policy",
+        help="the order requests are admitted and preempted in: fcfs (arrival), priority (the request's "
+        "priority, then arrival) or fair (the tenant served least so far, weighted by {tenant_weights}; the "
+        "virtual token counter) (default {default})",
+        default=SCHEDULING_FCFS,
+        choices=SCHEDULING_POLICIES,
+        crd="schedulingPolicy",
+    ),
+    Knob(
+        name="tenant_weights",
+        flag="--tenant-weights",
+        help="fair-share weights, e.g. team-a=2,team-b=1: a tenant of weight 2 gets twice the tokens of one "
+        "of weight 1 when both wait (default: every tenant weighs 1)",
+        default=MappingProxyType({}),
+        parse=parse_tenant_weights,
+        metavar="TENANT=WEIGHT,...",
+        show=format_tenant_weights,
+        from_tenants=True,
+    ),
+    Knob(
+        name="quantization",
+        flag="--quantization",
+        help="weight-only quantization of the decoder's linear layers at load time, from the float "
+        "checkpoint: int8 (per output channel) or int4 (per group of input features); embeddings, norms and "
+        "the LM head stay in float (default {default})",
+        default="none",
+        choices=QUANTIZATION_METHODS,
+        crd="quantization",
+    ),
+    Knob(
+        name="quantization_group_size",
+        flag="--quantization-group-size",
+        help="int4: input features per scale; must divide every quantized layer's input features (default "
+        "{default})",
+        default=DEFAULT_QUANTIZATION_GROUP_SIZE,
+        parse=int,
+        choices=QUANTIZATION_GROUP_SIZES,
+        crd="quantizationGroupSize",
+    ),
+    Knob(
+        name="speculative_method",
+        flag="--speculative-method",
+        help="speculative decoding: ngram (drafts looked up in the request's own tokens) or draft (a smaller "
+        "model, {speculative_model}); the output distribution stays the model's. Requests with logprobs or "
+        "penalties decode without it (default {default})",
+        default="none",
+        choices=SPECULATIVE_METHODS,
+        parser_checks=False,
+        crd="speculative.method",
+    ),
+    Knob(
+        name="num_speculative_tokens",
+        flag="--num-speculative-tokens",
+        help=f"drafts verified per step, 1 to {MAX_SPECULATIVE_TOKENS} (default {{default}})",
+        default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+        parse=int,
+        crd="speculative.numSpeculativeTokens",
+    ),
+    Knob(
+        name="speculative_model",
+        flag="--speculative-model",
+        help="the draft model's folder: same tokenizer and vocabulary as {model}",
+        crd="speculative.model",
+        crd_value=CRD_MODEL,
+    ),
+    Knob(
+        name="speculative_max_batch_size",
+        flag="--speculative-max-batch-size",
+        help="speculate only in steps that run at most this many requests: a full batch is compute-bound, and "
+        "verifying drafts there costs more than it saves (default {default})",
+        default=DEFAULT_SPECULATIVE_MAX_BATCH_SIZE,
+        parse=int,
+        crd="speculative.maxBatchSize",
+    ),
+    Knob(
+        name="seed",
+        flag="--seed",
+        help="torch's random seed, set at load: the draws of requests without a seed of their own (default "
+        "{default})",
+        default=0,
+        parse=int,
+    ),
+    Knob(
+        name="cpu_threads",
+        flag="--threads",
+        help="torch CPU threads (0: all cores but one when serving, torch's default otherwise)",
+        default=0,
+        parse=parse_thread_count,
+    ),
+)
+# The knobs the operator sets (EngineArgs'), and those an InferenceService field sets.
+OPERATOR_KNOBS = {name: knob for name, knob in ENGINE_KNOBS.items() if knob.operator_sets}
+CRD_KNOBS = {name: knob for name, knob in ENGINE_KNOBS.items() if knob.crd is not None}
+
+# Knobs' flags by name, for the code that names a flag (an error message, a test).
+FLAG_MODEL = ENGINE_KNOBS["model"].flag
+FLAG_MAX_NUM_SEQS = ENGINE_KNOBS["max_num_seqs"].flag
+FLAG_MAX_NUM_BATCHED_TOKENS = ENGINE_KNOBS["max_num_batched_tokens"].flag
+FLAG_BLOCK_SIZE = ENGINE_KNOBS["block_size"].flag
+FLAG_KV_CACHE_MEMORY = ENGINE_KNOBS["kv_cache_memory"].flag
+FLAG_NO_PREFIX_CACHING = ENGINE_KNOBS["enable_prefix_caching"].flag
+FLAG_DTYPE = ENGINE_KNOBS["dtype"].flag
+FLAG_SCHEDULING_POLICY = ENGINE_KNOBS["scheduling_policy"].flag
+FLAG_TENANT_WEIGHTS = ENGINE_KNOBS["tenant_weights"].flag
+FLAG_QUANTIZATION = ENGINE_KNOBS["quantization"].flag
+FLAG_QUANTIZATION_GROUP_SIZE = ENGINE_KNOBS["quantization_group_size"].flag
+FLAG_SPECULATIVE_METHOD = ENGINE_KNOBS["speculative_method"].flag
+FLAG_NUM_SPECULATIVE_TOKENS = ENGINE_KNOBS["num_speculative_tokens"].flag
+FLAG_SPECULATIVE_MODEL = ENGINE_KNOBS["speculative_model"].flag
+FLAG_SPECULATIVE_MAX_BATCH_SIZE = ENGINE_KNOBS["speculative_max_batch_size"].flag
+
+
+class EngineArgs:
+    """An InferenceService's engine settings, as the engine's flags see them: values for some of the knobs
+    the operator sets (OPERATOR_KNOBS), by knob name, in the engine's units (kv_cache_memory in bytes,
+    tenant_weights as (tenant, weight) pairs); an unset one (None, or no weights) keeps the engine's default
+    and reads as None. `extra_args` are appended verbatim (spec.engine.extraArgs)."""
+
+    __slots__ = ("_values", "extra_args")
+
+    def __init__(self, *, extra_args: Iterable[str] = (), **values: Any) -> None:
+        unknown = sorted(set(values) - set(OPERATOR_KNOBS))
+        if unknown:
+            raise TypeError(f"EngineArgs: {', '.join(unknown)}: no knob the operator sets is called so")
+        self._values: dict[str, Any] = {k: v for k, v in values.items() if v is not None and v != ()}
+        self.extra_args: tuple[str, ...] = tuple(extra_args)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in OPERATOR_KNOBS:
+            raise AttributeError(f"EngineArgs has no knob {name!r}")
+        return self._values.get(name)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EngineArgs):
+            return NotImplemented
+        return (self._values, self.extra_args) == (other._values, other.extra_args)
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self._values.items())), self.extra_args))
+
+    def __repr__(self) -> str:
+        values = "".join(f"{name}={value!r}, " for name, value in self._values.items())
+        return f"EngineArgs({values}extra_args={self.extra_args!r})"
+
+    def flags(self) -> list[str]:
+        """The flags of the knobs set, in the table's order, then the extra arguments."""
+        flags = [
+            part
+            for name, knob in OPERATOR_KNOBS.items()
+            if name in self._values
+            for part in knob.argv(self._values[name])
+        ]
+        return flags + list(self.extra_args)
 
 
 def engine_serve_argv(

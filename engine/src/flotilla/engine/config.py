@@ -1,14 +1,17 @@
-"""The knobs of one engine process, and how many KV blocks a memory budget holds. No torch."""
+"""The knobs of one engine process (declared in flotilla.contract.ENGINE_KNOBS), and how many KV blocks a
+memory budget holds. No torch."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from flotilla.contract import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS,
-    DEFAULT_QUANTIZATION_GROUP_SIZE,
-    DEFAULT_SPECULATIVE_MAX_BATCH_SIZE,
+    ATTENTION_BACKENDS,
+    ENGINE_KNOBS,
+    FLAG_MAX_NUM_SEQS,
     FLAG_NUM_SPECULATIVE_TOKENS,
     FLAG_QUANTIZATION,
     FLAG_QUANTIZATION_GROUP_SIZE,
@@ -18,55 +21,67 @@ from flotilla.contract import (
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
-    SCHEDULING_FCFS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
 )
 
-# auto: triton on CUDA; on the CPU, cpu (the compiled decode kernel) for float32 when it builds, else torch.
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+FLAG_CUDA_GRAPH_SIZES = ENGINE_KNOBS["cuda_graph_sizes"].flag
+
+
+def knob_default(name: str) -> Any:
+    """The field of knob `name`, with the default flotilla.contract.ENGINE_KNOBS gives it (and the knob's
+    name in its metadata, which tests/test_engine_knobs.py checks is the field's)."""
+    knob = ENGINE_KNOBS[name]
+    if isinstance(knob.default, Mapping):
+        return field(default_factory=knob.fresh_default, metadata={"knob": name})
+    return field(default=knob.default, metadata={"knob": name})
 
 
 @dataclass
 class EngineConfig:
+    # The knobs, with the types the engine reads them as; what each means, its flag and its default are
+    # in flotilla.contract.ENGINE_KNOBS (tests/test_engine_knobs.py checks that they agree).
     model: str
-    dtype: str = "auto"  # auto: the config's dtype on CUDA (bf16 if none), float32 on CPU
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_memory: int | None = None  # bytes; default: 1 GiB on CPU, a fraction of free memory on CUDA
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
-    seed: int = 0
-    cpu_threads: int = 0  # torch CPU threads for model steps; 0: torch's default (one per core)
-    show_progress: bool = True
-    scheduling_policy: str = SCHEDULING_FCFS  # one of SCHEDULING_POLICIES (core/policy.py)
-    tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share; absent tenants weigh 1
+    dtype: str = knob_default("dtype")  # auto: the config's dtype on CUDA (bf16 if none), float32 on CPU
+    device: str = knob_default("device")  # auto: cuda when available, else cpu
+    block_size: int = knob_default("block_size")
+    max_num_seqs: int = knob_default("max_num_seqs")
+    max_num_batched_tokens: int = knob_default("max_num_batched_tokens")
+    max_model_len: int | None = knob_default("max_model_len")  # None: the model's max_position_embeddings
+    kv_cache_memory: int | None = knob_default(
+        "kv_cache_memory"
+    )  # bytes; None: 1 GiB on CPU, a share on CUDA
+    gpu_memory_utilization: float = knob_default("gpu_memory_utilization")
+    enable_prefix_caching: bool = knob_default("enable_prefix_caching")
+    attention_backend: str = knob_default("attention_backend")  # one of ATTENTION_BACKENDS
+    seed: int = knob_default("seed")
+    cpu_threads: int = knob_default("cpu_threads")  # torch threads for model steps; 0: torch's (one per core)
+    show_progress: bool = True  # not a knob (no flag): whether loading shows progress bars
+    scheduling_policy: str = knob_default("scheduling_policy")  # one of SCHEDULING_POLICIES (core/policy.py)
+    tenant_weights: dict[str, float] = knob_default("tenant_weights")  # fair share; absent tenants weigh 1
     # Weight-only quantization of the decoder's linear layers at load time (model/quantize.py): none, int8
     # (per output channel) or int4 (per group of quantization_group_size input features).
-    quantization: str = "none"
-    quantization_group_size: int = DEFAULT_QUANTIZATION_GROUP_SIZE
+    quantization: str = knob_default("quantization")
+    quantization_group_size: int = knob_default("quantization_group_size")
     # Speculative decoding: none, ngram (prompt lookup) or draft (speculative_model, a smaller model folder
     # with the same tokenizer); num_speculative_tokens drafts are verified per step, in steps that run at
     # most speculative_max_batch_size requests.
-    speculative_method: str = "none"
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    speculative_model: str | None = None
-    speculative_max_batch_size: int = DEFAULT_SPECULATIVE_MAX_BATCH_SIZE
+    speculative_method: str = knob_default("speculative_method")
+    num_speculative_tokens: int = knob_default("num_speculative_tokens")
+    speculative_model: str | None = knob_default("speculative_model")
+    speculative_max_batch_size: int = knob_default("speculative_max_batch_size")
     # CUDA graphs for decode steps (worker/cuda_graphs.py), on CUDA with the Triton backend unless
     # enforce_eager; the batch sizes captured (default: 1, 2, 4, 8, then every 16 up to 256).
-    enforce_eager: bool = False
-    cuda_graph_sizes: list[int] | None = None
+    enforce_eager: bool = knob_default("enforce_eager")
+    cuda_graph_sizes: list[int] | None = knob_default("cuda_graph_sizes")
 
     def __post_init__(self) -> None:
         self._check_speculation()
         for size in self.cuda_graph_sizes or []:
             if not 1 <= size <= self.max_num_seqs:
                 raise ValueError(
-                    f"--cuda-graph-sizes {size}: each size must be between 1 and --max-num-seqs ({self.max_num_seqs})"
+                    f"{FLAG_CUDA_GRAPH_SIZES} {size}: each size must be between 1 and {FLAG_MAX_NUM_SEQS} "
+                    f"({self.max_num_seqs})"
                 )
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(

@@ -68,7 +68,7 @@ def engine_argv(model: Path, name: str, port: int, kv_cache_memory: str | None, 
         extra += (FLAG_KV_CACHE_MEMORY, kv_cache_memory)
     argv = engine_serve_argv(
         model_path=str(model), served_name=name, host=HOST, port=port, shutdown_delay=0, drain_timeout=5,
-        engine=EngineArgs(prefix_caching=None if prefix_caching else False, extra_args=extra),
+        engine=EngineArgs(enable_prefix_caching=None if prefix_caching else False, extra_args=extra),
     )  # fmt: skip
     assert tuple(argv[: len(ENGINE_SERVE)]) == ENGINE_SERVE
     return cli(*argv)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+from typing import Any
 
 from flotilla.contract import (
     ANNOTATION_PATH,
     ANNOTATION_PORT,
     ANNOTATION_SCRAPE,
+    CRD_KNOBS,
+    CRD_MODEL,
+    CRD_QUANTITY,
     ENGINE_PORT,
     ENGINE_TOKEN_SECRET,
     ENGINE_TOKEN_SECRET_KEY,
@@ -23,6 +27,7 @@ from flotilla.contract import (
     HEALTH_PATH,
     IMAGE_UID,
     METRICS_PATH,
+    OPERATOR_KNOBS,
     SCHEDULING_FAIR,
     EngineArgs,
     engine_base_url,
@@ -98,28 +103,34 @@ def engine_args(
     tenant_weights: tuple[tuple[str, float], ...] = (),
     draft_model_path: str | None = None,
 ) -> EngineArgs:
-    """The spec's engine settings as the contract's EngineArgs (unset ones keep the engine's defaults).
-    The tenant weights go only to a fair engine: under another policy they would mean nothing, and would
-    roll its pods each time a Tenant's weight changed. `draft_model_path` is where the pod mounts
-    spec.engine.speculative.model (draft_mount), for the draft method only."""
-    speculative = engine.speculative
-    return EngineArgs(
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        block_size=engine.block_size,
-        kv_cache_bytes=None if engine.kv_cache_memory is None else quantity_bytes(engine.kv_cache_memory),
-        prefix_caching=engine.prefix_caching,
-        dtype=engine.dtype,
-        scheduling_policy=engine.scheduling_policy,
-        tenant_weights=tuple(tenant_weights) if engine.scheduling_policy == SCHEDULING_FAIR else (),
-        quantization=engine.quantization,
-        quantization_group_size=engine.quantization_group_size,
-        speculative_method=speculative.method if speculative else None,
-        num_speculative_tokens=speculative.num_speculative_tokens if speculative else None,
-        speculative_model=draft_model_path if speculative and speculative.method == DRAFT else None,
-        speculative_max_batch_size=speculative.max_batch_size if speculative else None,
-        extra_args=tuple(engine.extra_args),
-    )
+    """The spec's engine settings as the contract's EngineArgs: each knob's value from the field the
+    contract's table names (CRD_KNOBS; unset ones keep the engine's defaults). A quantity becomes bytes; a
+    model source becomes `draft_model_path`, where the pod mounts spec.engine.speculative.model
+    (draft_mount, for the draft method only; without one, no flag). The tenant weights go only to a fair
+    engine: under another policy they would mean nothing, and would roll its pods each time a Tenant's weight
+    changed."""
+    wire = engine.to_wire()
+    values: dict[str, object] = {}
+    for name, knob in CRD_KNOBS.items():
+        value = _field(wire, knob.crd)
+        if value is not None and knob.crd_value == CRD_QUANTITY:
+            value = quantity_bytes(value)
+        elif value is not None and knob.crd_value == CRD_MODEL:
+            value = draft_model_path
+        values[name] = value
+    if engine.scheduling_policy == SCHEDULING_FAIR:
+        values.update(
+            (name, tuple(tenant_weights)) for name, knob in OPERATOR_KNOBS.items() if knob.from_tenants
+        )
+    return EngineArgs(**values, extra_args=engine.extra_args)
+
+
+def _field(wire: dict, path: str | None) -> Any:
+    """The value at a dotted camelCase path of a wire dict, or None where any part is unset."""
+    value: Any = wire
+    for part in (path or "").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def engine_flags(engine: EngineSettings) -> list[str]:
