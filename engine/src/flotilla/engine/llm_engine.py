@@ -14,6 +14,7 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
@@ -24,27 +25,48 @@ from flotilla.engine.core.outputs import EngineStats, RequestOutput, SpecDecodeS
 from flotilla.engine.core.request import FinishReason, Request
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
-from flotilla.engine.model.config import ModelConfig
+from flotilla.engine.model.config import ModelConfig, check_quantization
 from flotilla.engine.text.output_processor import OutputProcessor
-from flotilla.engine.text.tokenizer import load_tokenizer
+from flotilla.engine.text.tokenizer import ModelTokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the engine reads from the model folders before any weight: the model's config.json and
+    tokenizer, and a draft model's config.json, each checked (int4 group sizes, the draft's vocabulary
+    and context). Read once: `flotilla engine serve` loads them before it listens, to fail fast, and hands
+    them to the engine, which reads them itself only when it is given none."""
+
+    model_config: ModelConfig
+    tokenizer: ModelTokenizer
+    draft_config: ModelConfig | None = None
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelFiles:
+        """Raises ModelLoadError or ValueError, naming the file or the setting."""
+        from flotilla.engine.worker.draft_check import check_draft_model  # no torch
+
+        folder = Path(config.model)
+        model_config = ModelConfig.from_file(folder / "config.json")
+        check_quantization(model_config, config.quantization, config.quantization_group_size)
+        tokenizer = load_tokenizer(folder)
+        draft_config = None
+        if config.speculative_model:  # only with --speculative-method draft (EngineConfig checks)
+            draft_config = check_draft_model(
+                config.speculative_model, model_config, tokenizer, config.max_model_len
+            )
+        return cls(model_config, tokenizer, draft_config)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         from flotilla.engine.worker.model_runner import ModelRunner  # torch
 
         self.config = config
-        folder = Path(config.model)
-        self.model_config = ModelConfig.from_file(folder / "config.json")
-        self.tokenizer = load_tokenizer(folder)
-        draft_config = None
-        if config.speculative_method == "draft" and config.speculative_model:
-            from flotilla.engine.worker.draft_check import check_draft_model
-
-            draft_config = check_draft_model(
-                config.speculative_model, self.model_config, self.tokenizer, config.max_model_len
-            )
-        self.runner = ModelRunner(config, self.model_config, draft_config)
+        files = files or ModelFiles.load(config)
+        self.model_config = files.model_config
+        self.tokenizer = files.tokenizer
+        self.runner = ModelRunner(config, self.model_config, files.draft_config)
         self.proposer = self.runner.drafter or (
             NgramProposer() if config.speculative_method == "ngram" else None
         )

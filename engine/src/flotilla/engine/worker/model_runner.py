@@ -87,6 +87,7 @@ class ModelRunner:
             config.show_progress,
             quantization=config.quantization,
             group_size=config.quantization_group_size,
+            config=model_config,
         )
         int4 = config.quantization == "int4"
         self.model_info = ModelInfo(
