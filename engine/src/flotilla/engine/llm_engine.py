@@ -14,8 +14,6 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.fair_share import FairShareConfig
@@ -26,37 +24,8 @@ from flotilla.engine.core.request import FinishReason, Request
 from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
-from flotilla.engine.model.config import ModelConfig, check_quantization
 from flotilla.engine.text.output_processor import OutputProcessor
-from flotilla.engine.text.tokenizer import ModelTokenizer, load_tokenizer
-
-
-@dataclass(frozen=True)
-class ModelFiles:
-    """What the engine reads from the model folders before any weight: the model's config.json and
-    tokenizer, and a draft model's config.json, each checked (int4 group sizes, the draft's vocabulary
-    and context). Read once: `flotilla engine serve` loads them before it listens, to fail fast, and hands
-    them to the engine, which reads them itself only when it is given none."""
-
-    model_config: ModelConfig
-    tokenizer: ModelTokenizer
-    draft_config: ModelConfig | None = None
-
-    @classmethod
-    def load(cls, config: EngineConfig) -> ModelFiles:
-        """Raises ModelLoadError or ValueError, naming the file or the setting."""
-        from flotilla.engine.worker.draft_check import check_draft_model  # no torch
-
-        folder = Path(config.model)
-        model_config = ModelConfig.from_file(folder / "config.json")
-        check_quantization(model_config, config.quantization, config.quantization_group_size)
-        tokenizer = load_tokenizer(folder)
-        draft_config = None
-        if config.speculative_model:  # only with --speculative-method draft (EngineConfig checks)
-            draft_config = check_draft_model(
-                config.speculative_model, model_config, tokenizer, config.max_model_len
-            )
-        return cls(model_config, tokenizer, draft_config)
+from flotilla.engine.worker.model_files import ModelFiles
 
 
 class LLMEngine:

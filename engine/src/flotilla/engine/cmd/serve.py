@@ -76,9 +76,10 @@ def serving_threads() -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from flotilla.engine.llm_engine import LLMEngine, ModelFiles  # no torch until the engine is built
+    from flotilla.engine.llm_engine import LLMEngine  # no torch until the engine is built
     from flotilla.engine.model.config import ModelLoadError
     from flotilla.engine.server.run import ServerSettings, run_server
+    from flotilla.engine.worker.model_files import ModelFiles
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
