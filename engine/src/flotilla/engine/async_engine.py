@@ -18,8 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from flotilla.engine.core.outputs import EngineStats, RequestOutput
 from flotilla.engine.core.request import Request
+from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.llm_engine import LLMEngine
+from flotilla.engine.text.tokenizer import ModelTokenizer
 
 
 class EngineDeadError(RuntimeError):
@@ -38,9 +40,18 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flotilla-engine")
 
+    # What a server may read of the engine: the tokenizer, the values resolved when the model loaded, the
+    # sampling defaults of generation_config.json, and (below) its counters and whether its loop is alive.
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> ModelTokenizer:
         return self.engine.tokenizer
+
+    @property
+    def resolved(self) -> Resolved:
+        return self.engine.resolved
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
 
     def start(self) -> None:
         if self._task is None:

@@ -14,37 +14,31 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.fair_share import FairShareConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
 from flotilla.engine.core.ngram_proposer import NgramProposer
-from flotilla.engine.core.outputs import EngineStats, RequestOutput, SpecDecodeStats, TenantStats
+from flotilla.engine.core.outputs import EngineStats, ModelInfo, RequestOutput, SpecDecodeStats, TenantStats
 from flotilla.engine.core.request import FinishReason, Request
+from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
-from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.text.output_processor import OutputProcessor
-from flotilla.engine.text.tokenizer import load_tokenizer
+from flotilla.engine.worker.model_files import ModelFiles
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         from flotilla.engine.worker.model_runner import ModelRunner  # torch
 
         self.config = config
-        folder = Path(config.model)
-        self.model_config = ModelConfig.from_file(folder / "config.json")
-        self.tokenizer = load_tokenizer(folder)
-        draft_config = None
-        if config.speculative_method == "draft" and config.speculative_model:
-            from flotilla.engine.worker.draft_check import check_draft_model
-
-            draft_config = check_draft_model(
-                config.speculative_model, self.model_config, self.tokenizer, config.max_model_len
-            )
-        self.runner = ModelRunner(config, self.model_config, draft_config)
+        files = files or ModelFiles.load(config)
+        self.model_config = files.model_config
+        self.tokenizer = files.tokenizer
+        self.runner = ModelRunner(config, self.model_config, files.draft_config)
+        # What the runner decided as it loaded: every reader below (and above) takes it from here.
+        self.resolved: Resolved = self.runner.resolved
         self.proposer = self.runner.drafter or (
             NgramProposer() if config.speculative_method == "ngram" else None
         )
@@ -52,16 +46,13 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(
             accepted_per_position=[0] * config.num_speculative_tokens if config.speculates else []
         )
-        self.model_info = self.runner.model_info
-        self.max_model_len = self.runner.max_model_len
-        self.kv_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
+        resolved = self.resolved
+        self.kv_manager = KVCacheManager(resolved.num_blocks, resolved.block_size, resolved.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
-                self.max_model_len,
+                resolved.max_model_len,
                 policy=config.scheduling_policy,
                 fair_share=FairShareConfig(tenant_weights=dict(config.tenant_weights)),
             ),
@@ -76,6 +67,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.resolved.max_model_len
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.resolved.model_info
 
     # -- requests ------------------------------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:
@@ -109,15 +108,11 @@ class LLMEngine:
         arrival_time = arrival_time if arrival_time is not None else time.time()
         params = params or self.default_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
+        vocab = self.resolved.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} "
-                "tokens, including at least one generated token"
-            )
+        self.resolved.check_prompt(len(prompt_ids))
         return Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=prompt_ids,

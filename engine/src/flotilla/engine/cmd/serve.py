@@ -76,15 +76,14 @@ def serving_threads() -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from flotilla.engine.model.config import ModelConfig, ModelLoadError, check_quantization
+    from flotilla.engine.llm_engine import LLMEngine  # no torch until the engine is built
+    from flotilla.engine.model.config import ModelLoadError
     from flotilla.engine.server.run import ServerSettings, run_server
-    from flotilla.engine.text.tokenizer import load_tokenizer
-    from flotilla.engine.worker.draft_check import check_draft_model
+    from flotilla.engine.worker.model_files import ModelFiles
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    folder = Path(args.model)
     try:  # fail fast, before listening, on flags or a folder that cannot work
         for flag, value in (
             (FLAG_SHUTDOWN_DELAY, args.shutdown_delay),
@@ -95,22 +94,18 @@ def run_serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         if config.cpu_threads == 0:
             config = dataclasses.replace(config, cpu_threads=serving_threads())
-        model_config = ModelConfig.from_file(folder / "config.json")
-        check_quantization(model_config, config.quantization, config.quantization_group_size)
-        tokenizer = load_tokenizer(folder)
-        if config.speculative_model:
-            check_draft_model(config.speculative_model, model_config, tokenizer, config.max_model_len)
+        # config.json, the tokenizer and a draft model's config, read (and checked) once: the engine gets
+        # them, and loads only the weights after the server listens (/health says 503 meanwhile).
+        files = ModelFiles.load(config)
     except (ModelLoadError, ValueError) as exc:
         print(f"flotilla engine serve: {exc}", file=sys.stderr)
         return 2
 
-    def build_engine():
-        from flotilla.engine.llm_engine import LLMEngine
-
-        return LLMEngine(config)
+    def build_engine() -> LLMEngine:
+        return LLMEngine(config, files)
 
     settings = ServerSettings(
-        model_name=args.served_model_name or folder.resolve().name,
+        model_name=args.served_model_name or Path(args.model).resolve().name,
         api_key=args.api_key or None,
         internal_token=args.internal_token or None,
         max_queue=args.max_queue if args.max_queue > 0 else None,

@@ -24,6 +24,7 @@ from flotilla.engine.core.fair_share import FairShareConfig, FairShareLedger
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
 from flotilla.engine.core.policy import SchedulingPolicy
 from flotilla.engine.core.request import FinishReason, Request, RequestStatus
+from flotilla.engine.core.resolved import check_context_length
 
 
 @dataclass
@@ -97,11 +98,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id}: the prompt has {request.num_tokens} tokens; the model's "
-                f"context is {self.config.max_model_len} tokens, including at least one generated token"
-            )
+        check_context_length(request.num_tokens, self.config.max_model_len)
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self.ledger.arrive(request.tenant)

@@ -62,14 +62,17 @@ def load_model(
     show_progress: bool = True,
     quantization: str = "none",
     group_size: int = 128,
+    config: ModelConfig | None = None,
 ) -> LlamaForCausalLM:
     """The model, its decoder's linear layers quantized when `quantization` is int8 or int4
     (model/quantize.py). A quantized model's float weights are read into CPU memory first and reach the
-    device one quantized layer at a time, so the device never holds the whole float model."""
+    device one quantized layer at a time, so the device never holds the whole float model. `config` is
+    the folder's config.json when the caller has read it already (the engine has)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: model folder not found")
-    config = ModelConfig.from_file(folder / "config.json")
+    if config is None:
+        config = ModelConfig.from_file(folder / "config.json")
     check_quantization(config, quantization, group_size)
     files = weight_files(folder)
     staging = device if quantization == "none" else torch.device("cpu")

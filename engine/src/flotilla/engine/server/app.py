@@ -2,8 +2,8 @@
 /detokenize.
 
 This module only builds the app: its state, the lifespan that loads the model and stops the engine,
-the error handlers, and the routers (routes/, one per endpoint group; what they share is in gate.py
-and respond.py).
+the error handlers, and the routers (routes/, one per endpoint group, each a thin parse-and-call: the
+checks before the body are gate.py's, generation is serving_completion.py's and serving_chat.py's).
 
 The model loads in a thread after the server is listening, so /health can say 503 while it loads. The
 engine loop runs beside the event loop (AsyncEngine steps in a worker thread). On SIGTERM the server
@@ -30,10 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.server.errors import ApiError, bad_request
 from flotilla.engine.server.metrics import EngineMetrics
-from flotilla.engine.server.openai_serving import Serving
 from flotilla.engine.server.openapi import register_body_schemas
 from flotilla.engine.server.routes import chat, completions, health, models, tokenize
-from flotilla.engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
+from flotilla.engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState, Serving
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DrainingServer", "ServerSettings", "ServerState", "create_app"]
 
@@ -53,7 +52,7 @@ def create_app(
         settings.model_name,
         lambda: state.engine.stats() if state.engine else None,
         max_tenant_labels=settings.max_tenant_labels,
-        model_info=lambda: state.engine.engine.model_info if state.engine else None,
+        model_info=lambda: state.engine.resolved.model_info if state.engine else None,
     )
 
     async def load() -> None:
@@ -67,8 +66,7 @@ def create_app(
             return
         engine = AsyncEngine(llm)
         engine.start()
-        state.serving = Serving(engine, state.metrics, settings.model_name)
-        state.engine = engine
+        state.serving = Serving.over(engine, state.metrics, settings.model_name)
         log.info("model %s loaded; serving", settings.model_name)
 
     @asynccontextmanager

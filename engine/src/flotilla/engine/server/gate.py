@@ -3,20 +3,27 @@ the internal token; tenancy.py), the model name, an engine that is serving, and 
 429 when it is full).
 
 Handlers get these through FastAPI dependencies; the state lives on `app.state.flotilla`. The
-dependencies are `async def` so FastAPI calls them on the event loop, not in a thread pool.
+dependencies are `async def` so FastAPI calls them on the event loop, not in a thread pool. A generation
+route reads its body through `Gate.open` and hands the `Call` it returns to its serving object, which
+admits it to the queue once the request has passed its own checks.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import Request
 
-from flotilla.engine.server.errors import ApiError
-from flotilla.engine.server.openai_serving import Job, Serving
-from flotilla.engine.server.state import ServerSettings, ServerState
+from flotilla.engine.server.errors import ApiError, parse_json_body
+from flotilla.engine.server.protocol import _SamplingFields
+from flotilla.engine.server.serving import Call
+from flotilla.engine.server.state import ServerSettings, ServerState, Serving
 from flotilla.engine.server.tenancy import request_tenant
+
+G = TypeVar("G", bound=_SamplingFields)
 
 
 async def server_state(request: Request) -> ServerState:
@@ -49,6 +56,16 @@ class Gate:
         """The request's tenant (403/400 when it names one it may not or cannot be)."""
         return request_tenant(request.headers, self.settings.tenant, self.settings.internal_token)
 
+    async def open(self, request: Request, model: type[G]) -> tuple[G, Call]:
+        """A generation request's body, once its tenant and model pass (the key was checked already),
+        and the call that carries it to its serving object. Every check raises before anything is
+        admitted, so a refused request holds nothing."""
+        arrival = time.time()  # TTFT counts from here
+        tenant = self.tenant(request)  # before the body is read: a forbidden request costs no parsing
+        body = await parse_json_body(request, model, self.settings.max_body_bytes)
+        self.check_model(body.model)
+        return body, Call(request, arrival, tenant, self.admit)
+
     def check_model(self, name: str | None) -> None:
         model_name = self.settings.model_name
         if name is not None and name != model_name:
@@ -68,11 +85,10 @@ class Gate:
         assert self.state.serving is not None
         return self.state.serving
 
-    def admit(self, job: Job) -> Callable[[], None]:
-        """Counts the job in flight, or refuses it with 429 when the queue is full. Returns the release
-        (safe to call more than once)."""
+    def admit(self, n: int) -> Callable[[], None]:
+        """Counts n engine requests in flight, or refuses them with 429 when the queue is full. Returns
+        the release (safe to call more than once)."""
         state, max_queue = self.state, self.settings.max_queue
-        n = len(job.choices)
         if max_queue is not None and state.engine is not None:
             waiting = max(0, state.in_flight - state.engine.stats().num_running)
             if waiting + n > max_queue:

@@ -1,4 +1,5 @@
-"""What the server knows at run time: its settings, the engine once loaded, and whether it drains.
+"""What the server knows at run time: its settings, what serves once the model has loaded, and whether it
+drains.
 
 Apart from app.py so the routers can name it without importing the app that includes them.
 """
@@ -13,7 +14,8 @@ from typing import Any
 from flotilla.contract import ENV_TENANT
 from flotilla.engine.async_engine import AsyncEngine
 from flotilla.engine.server.metrics import DEFAULT_MAX_TENANT_LABELS, EngineMetrics
-from flotilla.engine.server.openai_serving import Serving
+from flotilla.engine.server.serving_chat import ServingChat
+from flotilla.engine.server.serving_completion import ServingCompletion
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
@@ -36,16 +38,37 @@ class ServerSettings:
             raise ValueError(f"max_tenant_labels must be 1 or more, got {self.max_tenant_labels}")
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What serves once the model has loaded: the engine (routes read its tokenizer and `resolved`
+    values, nothing deeper) and one serving object per generation endpoint."""
+
+    engine: AsyncEngine
+    completion: ServingCompletion
+    chat: ServingChat
+
+    @classmethod
+    def over(cls, engine: AsyncEngine, metrics: EngineMetrics, model_name: str) -> Serving:
+        return cls(
+            engine,
+            ServingCompletion(engine, metrics, model_name),
+            ServingChat(engine, metrics, model_name),
+        )
+
+
 @dataclass
 class ServerState:
     settings: ServerSettings
     metrics: EngineMetrics | None = None
-    engine: AsyncEngine | None = None
     serving: Serving | None = None
     load_error: BaseException | None = None
     draining: bool = False
     in_flight: int = 0  # engine requests accepted and not yet answered
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.serving.engine if self.serving is not None else None
 
     def health(self) -> tuple[int, dict[str, Any]]:
         if self.load_error is not None:

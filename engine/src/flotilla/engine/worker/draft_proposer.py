@@ -39,7 +39,7 @@ class DraftProposer:
         self.block_size = block_size
         self.backend = backend
         self.sampler = sampler
-        self.model = load_model(folder, dtype, device, max_model_len, show_progress)
+        self.model = load_model(folder, dtype, device, max_model_len, show_progress, config=config)
         pack_for_cpu(self.model)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [

@@ -12,6 +12,7 @@ from torch.profiler import record_function
 
 from flotilla.engine.config import EngineConfig, blocks_for_budget
 from flotilla.engine.core.outputs import ModelInfo, SampledLogprob
+from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.scheduler import SchedulerOutput
 from flotilla.engine.kernels import cpu_decode
 from flotilla.engine.kernels.attention import TorchAttentionBackend
@@ -71,13 +72,14 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.draft_config = draft_config
+        # The values the flags leave open are decided here, once, and kept in self.resolved: the runner
+        # reads them from there like everyone else. The torch forms of the device and dtype stay here too.
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         max_len = config.max_model_len or model_config.max_position_embeddings
         if model_config.sliding_window:
             # Attention here is never windowed: keep to lengths where a window changes nothing.
             max_len = min(max_len, model_config.sliding_window)
-        self.max_model_len = max_len
         torch.manual_seed(config.seed)
         self.model = load_model(
             config.model,
@@ -87,27 +89,38 @@ class ModelRunner:
             config.show_progress,
             quantization=config.quantization,
             group_size=config.quantization_group_size,
+            config=model_config,
         )
+        dtype_name = str(self.dtype).removeprefix("torch.")
         int4 = config.quantization == "int4"
-        self.model_info = ModelInfo(
-            dtype=str(self.dtype).removeprefix("torch."),
+        model_info = ModelInfo(
+            dtype=dtype_name,
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size if int4 else None,
             weight_bytes=weight_bytes(self.model),
             bf16_weight_bytes=bf16_weight_bytes(self.model),
             kernels=kernels_in_use(self.model),
         )
-        log.info("model %s: %s", config.model, self.model_info.describe())
+        log.info("model %s: %s", config.model, model_info.describe())
         pack_for_cpu(self.model)  # after the weight sizes above: packed weights have no plain storage
-        self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks()
-        if self.num_blocks * self.block_size < self.max_model_len:
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * config.block_size < max_len:
             log.warning(
                 "the KV cache holds %d tokens, less than max_model_len=%d; lowering max_model_len",
-                self.num_blocks * self.block_size,
-                self.max_model_len,
+                num_blocks * config.block_size,
+                max_len,
             )
-            self.max_model_len = self.num_blocks * self.block_size
+            max_len = num_blocks * config.block_size
+        self.resolved = Resolved(
+            max_model_len=max_len,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            prefix_caching=config.enable_prefix_caching,
+            dtype=dtype_name,
+            device=str(self.device),
+            vocab_size=model_config.vocab_size,
+            model_info=model_info,
+        )
         # One block more than the pool hands out: the scratch block CUDA graphs' padding rows write to.
         self.scratch_block = self.num_blocks
         shape = (
@@ -127,7 +140,7 @@ class ModelRunner:
             config.attention_backend,
             self.device,
             self.dtype,
-            config.block_size,
+            self.block_size,
             [model_config, *filter(None, [draft_config])],
         )
         self.sampler = Sampler(self.device)
@@ -149,6 +162,18 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
             self.enable_decode_graphs(capture=True)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.resolved.max_model_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.resolved.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.resolved.block_size
 
     def enable_decode_graphs(self, capture: bool) -> None:
         """Decode steps through DecodeGraphs: captured CUDA graphs, or (capture=False, what the CPU tests
@@ -187,11 +212,12 @@ class ModelRunner:
                 budget = int(free * self.config.gpu_memory_utilization)
             else:
                 budget = CPU_DEFAULT_KV_BYTES
-        blocks = blocks_for_budget(budget, bytes_per_token, self.block_size)
+        block_size = self.config.block_size
+        blocks = blocks_for_budget(budget, bytes_per_token, block_size)
         if blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={budget} bytes holds no KV block "
-                f"(one block of {self.block_size} tokens takes {bytes_per_token * self.block_size} bytes)"
+                f"(one block of {block_size} tokens takes {bytes_per_token * block_size} bytes)"
             )
         return blocks
 

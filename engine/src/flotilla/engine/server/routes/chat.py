@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions: read the body past the gate, hand it to the chat serving object."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from flotilla.engine.server import protocol as api
 from flotilla.engine.server.gate import Gate, get_gate, require_api_key
-from flotilla.engine.server.openai_serving import Serving
 from flotilla.engine.server.openapi import ERRORS, json_body
-from flotilla.engine.server.routes.generation import serve_generation
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -16,6 +14,5 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post("/v1/chat/completions", response_model=api.ChatCompletionResponse, responses=ERRORS,
              openapi_extra=json_body(api.ChatCompletionRequest))  # fmt: skip
 async def chat_completions(request: Request, gate: Gate = Depends(get_gate)) -> Response:
-    return await serve_generation(
-        request, gate, api.ChatCompletionRequest, Serving.chat_job, Serving.chat, Serving.chat_events
-    )
+    body, call = await gate.open(request, api.ChatCompletionRequest)
+    return await gate.serving().chat.create_chat_completion(body, call)

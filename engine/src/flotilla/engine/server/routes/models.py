@@ -14,10 +14,10 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 @router.get("/v1/models", response_model=api.ModelList, responses=ERRORS)
 async def models(gate: Gate = Depends(get_gate)) -> JSONResponse:
-    s = gate.serving()
-    info = s.model_info
+    resolved = gate.serving().engine.resolved
+    info = resolved.model_info
     card = {"id": gate.settings.model_name, "object": "model", "created": gate.state.created,
-            "owned_by": "flotilla", "max_model_len": s.max_model_len, "quantization": info.quantization,
+            "owned_by": "flotilla", "max_model_len": resolved.max_model_len, "quantization": info.quantization,
             "quantization_group_size": info.quantization_group_size,
             "weight_bytes": info.weight_bytes}  # fmt: skip
     return JSONResponse({"object": "list", "data": [card]})

@@ -21,14 +21,15 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def tokenize(request: Request, gate: Gate = Depends(get_gate)) -> JSONResponse:
     req = await parse_json_body(request, api.TokenizeRequest, gate.settings.max_body_bytes)
     gate.check_model(req.model)
-    s = gate.serving()
+    serving = gate.serving()
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
     if req.messages is not None:
-        tokens = s.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        tokens = serving.chat.prompt_ids(req.messages, req.add_generation_prompt)
     else:
-        tokens = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": s.max_model_len})
+        tokens = serving.engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    max_model_len = serving.engine.resolved.max_model_len
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len})
 
 
 @router.post("/detokenize", response_model=api.DetokenizeResponse, responses=ERRORS,
@@ -36,22 +37,23 @@ async def tokenize(request: Request, gate: Gate = Depends(get_gate)) -> JSONResp
 async def detokenize(request: Request, gate: Gate = Depends(get_gate)) -> JSONResponse:
     req = await parse_json_body(request, api.DetokenizeRequest, gate.settings.max_body_bytes)
     gate.check_model(req.model)
-    s = gate.serving()
-    bad = [t for t in req.tokens if t >= s.vocab_size]
+    engine = gate.serving().engine
+    vocab_size = engine.resolved.vocab_size
+    bad = [t for t in req.tokens if t >= vocab_size]
     if bad:
-        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (size {s.vocab_size})", "tokens")
-    return JSONResponse({"prompt": s.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})", "tokens")
+    return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
 
 @router.get(ENGINE_TOKENIZER_PATH, responses=ERRORS, include_in_schema=False)
 async def tokenizer_files(gate: Gate = Depends(get_gate)) -> JSONResponse:
-    s = gate.serving()
-    config = s.engine.engine.config
+    engine = gate.serving().engine
+    resolved, tokenizer = engine.resolved, engine.tokenizer
     return JSONResponse({
         "model": gate.settings.model_name,
-        "block_size": config.block_size,
-        "prefix_caching": config.enable_prefix_caching,
-        "num_blocks": s.engine.engine.kv_manager.num_blocks,
-        "tokenizer_json": s.tokenizer.tokenizer.to_str(),
-        "tokenizer_config": s.tokenizer.config,
+        "block_size": resolved.block_size,
+        "prefix_caching": resolved.prefix_caching,
+        "num_blocks": resolved.num_blocks,
+        "tokenizer_json": tokenizer.tokenizer.to_str(),
+        "tokenizer_config": tokenizer.config,
     })  # fmt: skip

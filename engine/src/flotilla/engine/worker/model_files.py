@@ -1,13 +1,42 @@
-"""Whether a draft model can draft for the target: the same vocabulary, token for token, over the whole
-context. Checked at start-up, before anything loads (no torch here, so `serve` checks it before listening)."""
+"""What the engine reads from the model folders before any weight (ModelFiles), and whether a draft model
+can draft for the target: the same vocabulary, token for token, over the whole context. No torch here, so
+`serve` reads and checks them before it listens, and hands them to the engine."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.contract import FLAG_SPECULATIVE_MODEL
-from flotilla.engine.model.config import ModelConfig, ModelLoadError
+from flotilla.engine.config import EngineConfig
+from flotilla.engine.model.config import ModelConfig, ModelLoadError, check_quantization
 from flotilla.engine.text.tokenizer import ModelTokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the engine reads from the model folders before any weight: the model's config.json and
+    tokenizer, and a draft model's config.json, each checked (int4 group sizes, the draft's vocabulary
+    and context). Read once: `flotilla engine serve` loads them before it listens, to fail fast, and hands
+    them to the engine, which reads them itself only when it is given none."""
+
+    model_config: ModelConfig
+    tokenizer: ModelTokenizer
+    draft_config: ModelConfig | None = None
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelFiles:
+        """Raises ModelLoadError or ValueError, naming the file or the setting."""
+        folder = Path(config.model)
+        model_config = ModelConfig.from_file(folder / "config.json")
+        check_quantization(model_config, config.quantization, config.quantization_group_size)
+        tokenizer = load_tokenizer(folder)
+        draft_config = None
+        if config.speculative_model:  # only with --speculative-method draft (EngineConfig checks)
+            draft_config = check_draft_model(
+                config.speculative_model, model_config, tokenizer, config.max_model_len
+            )
+        return cls(model_config, tokenizer, draft_config)
 
 
 def check_draft_model(
