@@ -23,7 +23,6 @@ per pod). Each case prints what it measured, for the closing notes; the whole mo
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import signal
@@ -61,6 +60,7 @@ from flotilla.operator.controllers.webhook_tls import SECRET_NAME as WEBHOOK_TLS
 from flotilla.operator.naming import METERING_FINALIZER
 from flotilla.operator.tenancy.metering import pod_gpus
 from flotilla.operator.tenancy.settings import WebhookSettings
+from flotilla.timestamps import parse_time
 
 pytestmark = pytest.mark.cluster
 
@@ -102,20 +102,25 @@ class PodWitness:
 
 
 def _time(stamp: str) -> float:
-    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return parse_time(stamp).timestamp()
+
+
+def _finished(pod: dict) -> float | None:
+    """The latest end the node recorded among the pod's containers (None: none has ended)."""
+    ends = [
+        _time(t)
+        for s in (pod.get("status") or {}).get("containerStatuses") or []
+        if (t := ((s.get("state") or {}).get("terminated") or {}).get("finishedAt"))
+    ]
+    return max(ends) if ends else None
 
 
 def _span(pod: dict, since: float, until: float) -> float:
     """GPU-seconds the pod held between two metering rounds: from its binding to its last container's
     end (a deleted pod's, as its node recorded it), clipped to the window."""
     bound = next(c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled")["lastTransitionTime"]
-    ends = [
-        _time(t)
-        for s in pod["status"].get("containerStatuses") or []
-        if (t := ((s.get("state") or {}).get("terminated") or {}).get("finishedAt"))
-    ]
     deleted = pod["metadata"].get("deletionTimestamp")
-    end = (max(ends) if ends else _time(deleted)) if deleted else until
+    end = (_finished(pod) or _time(deleted)) if deleted else until
     return pod_gpus(pod) * max(0.0, min(end, until) - max(_time(bound), since))
 
 
@@ -530,14 +535,10 @@ def test_the_node_agent_restarted_under_gateway_load_adopts_its_pods(fleet: Flee
     # The deleted pod's engine ran until the new agent stopped it; its recorded end says so.
     assert fleet.witness is not None
     ended = fleet.witness.last[victim["metadata"]["uid"]]
-    finished = [
-        _time(t)
-        for s in ended["status"]["containerStatuses"]
-        if (t := ((s.get("state") or {}).get("terminated") or {}).get("finishedAt"))
-    ]
+    finished = _finished(ended)
     agent_log = (cluster.config.logs_dir / "node-agent.log").read_text().splitlines()
     told = [line for line in agent_log if victim["metadata"]["name"] in line]
-    assert finished and max(finished) >= back - 1, (ended["status"].get("containerStatuses"), told)
+    assert finished is not None and finished >= back - 1, (ended["status"].get("containerStatuses"), told)
     REPORT.append(
         f"  node agent restarted: {load.sent} requests, failed {len(load.failures)}; survivor kept pid "
         f"{survivor_pid} and restart count {after['restartCount']}; converged {converged:.1f}s after the stop"

@@ -40,11 +40,15 @@ def pod_key(pod: dict) -> str:
     return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
 
 
+def process_name(pod: dict, container: str) -> str:
+    """A container's name in the pid table: `{namespace}_{name}_{uid[:8]}_{container}`."""
+    return f"{pod_key(pod)}_{container}"
+
+
 def process_names(pod: dict) -> list[str]:
     """The pid-table names of every container the pod declares (init containers first)."""
     spec = pod["spec"]
-    containers = [*(spec.get("initContainers") or []), *spec["containers"]]
-    return [f"{pod_key(pod)}_{c['name']}" for c in containers]
+    return [process_name(pod, c["name"]) for c in [*(spec.get("initContainers") or []), *spec["containers"]]]
 
 
 @dataclass
@@ -154,7 +158,7 @@ class PodRuntime:
         return pod_key(self.pod)
 
     def _pid_name(self, run: ContainerRun) -> str:
-        return f"{self.key}_{run.name}"
+        return process_name(self.pod, run.name)
 
     @property
     def restart_policy(self) -> str:
