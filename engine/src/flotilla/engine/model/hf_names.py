@@ -10,7 +10,7 @@ matmul; the loader concatenates the checkpoint's shards along the output rows (F
 
 Who uses it: the loader (checkpoint -> serving parameters), quantize (the serving layers it replaces),
 ModelConfig.decoder_linears, the synthetic presets and trainer (the names they write) and the benchmarks
-(bench/engine/gpu_model.py, compute_limit.py). tests/engine/test_hf_names.py fails if another module
+(bench/engine/gpu_model.py, compute_limit.py). tests/engine/model/test_hf_names.py fails if another module
 spells one of these names.
 """
 

@@ -11,7 +11,7 @@ into the cache in place, then attends through a backend whose Triton and C kerne
 and fuses q/k/v and gate/up; training wants dense causal attention over [batch, window] with autograd,
 and Hugging Face's unfused layout, whose state_dict is the checkpoint it writes. What both need is shared:
 RMSNorm (here), RoPE's tables and rotation (rope.py) and the tensor names (hf_names.py);
-tests/engine/test_hf_names.py holds both models' parameters to hf_names' tables.
+tests/engine/model/test_hf_names.py holds both models' parameters to hf_names' tables.
 """
 
 from __future__ import annotations

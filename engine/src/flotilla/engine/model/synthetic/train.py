@@ -15,7 +15,7 @@ checkpoint written and its seeded initialisation draws tensor by tensor in that 
 the fused model would change every trained preset's weights (a TRAINER_VERSION bump: every cached preset
 trained again) and serve nothing faster. Shared instead: RMSNorm (llama.py), RoPE's cos/sin tables and
 rotation (rope.py), and the tensor names (hf_names.py: which weights are norms and residual outputs, the
-tied LM head); tests/engine/test_hf_names.py holds this model's state_dict to hf_names.checkpoint_tensors.
+tied LM head); tests/engine/model/test_hf_names.py holds this model's state_dict to hf_names.checkpoint_tensors.
 """
 
 from __future__ import annotations

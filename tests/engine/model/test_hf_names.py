@@ -15,7 +15,7 @@ from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.llama import LlamaForCausalLM
 from flotilla.engine.model.synthetic.train import TrainingLlama
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCE_ROOTS = [ROOT / d / "src" for d in (".", "engine", "operator", "gateway", "bench")]
 HOME = Path(hf_names.__file__).resolve()
 

@@ -14,7 +14,7 @@ import torch
 from flotilla.engine.model.synthetic import corpus, presets, train
 from flotilla.engine.model.synthetic.presets import PRESETS, TRAINED_PRESETS, build_tokenizer
 
-from .test_hf_parity import check_against_hf, make_engine
+from ..test_hf_parity import check_against_hf, make_engine
 
 MICRO = {
     **PRESETS["tiny-trained"],

@@ -43,7 +43,7 @@ from flotilla.gateway.core.rate_limit import RateLimits
 from flotilla.gateway.core.services import Endpoint, ModelIndex, ServiceView
 from flotilla.gateway.fleet import Fleet
 
-from .conftest import MODEL_NAME
+from ..engine.server.conftest import MODEL_NAME
 
 MASTER = "master-token-for-tests"
 KEY_A, KEY_B = "fl-key-of-team-a", "fl-key-of-team-b"

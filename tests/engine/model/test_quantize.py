@@ -19,7 +19,7 @@ from flotilla.engine.llm_engine import LLMEngine
 from flotilla.engine.model import quantize as qz
 from flotilla.engine.model.config import ModelConfig, check_quantization
 
-from .conftest import write_byte_tokenizer
+from ..conftest import write_byte_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[0, 5, 6, 7, 8], [0, *range(20, 60)], [0, 200, 100, 3]]
