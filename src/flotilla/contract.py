@@ -68,13 +68,27 @@ def chained_block_hash(parent: int, block_tokens: tuple[int, ...]) -> int:
     return hash((parent, block_tokens))
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int, known: list[int] | None = None) -> list[int]:
-    """The chained hashes of every full block of `token_ids`. `known` (the hashes of a prefix, computed
-    before) is extended in place and returned, so a growing sequence hashes each block once."""
+def root_block_hash(lora_name: str | None = None) -> int:
+    """The parent "hash" of a prompt's first block: ROOT_BLOCK_HASH for the base model, and one per LoRA
+    adapter, so that KV computed with one adapter's weights is never found by a request for another (or
+    for the base). Stable across processes (hash() of a str is salted per process), so the gateway's
+    prefix routing and the engine's cache agree."""
+    if not lora_name:
+        return ROOT_BLOCK_HASH
+    digest = hashlib.blake2b(lora_name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # a small int, as hash() of the base chain gives
+
+
+def prefix_block_hashes(
+    token_ids: list[int], block_size: int, known: list[int] | None = None, root: int = ROOT_BLOCK_HASH
+) -> list[int]:
+    """The chained hashes of every full block of `token_ids`, from `root` (root_block_hash). `known` (the
+    hashes of a prefix, computed before) is extended in place and returned, so a growing sequence hashes
+    each block once."""
     hashes = [] if known is None else known
     while len(hashes) < len(token_ids) // block_size:
         i = len(hashes)
-        parent = hashes[i - 1] if i else ROOT_BLOCK_HASH
+        parent = hashes[i - 1] if i else root
         hashes.append(chained_block_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
     return hashes
 
@@ -356,6 +370,23 @@ def parse_positive_counts(text: str) -> list[int]:
         raise ValueError(f"{text!r}: {exc}") from None
 
 
+def parse_lora_modules(text: str) -> dict[str, str]:
+    """`name=path,name=path` -> {name: path}; a ValueError names the bad entry."""
+    modules: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{entry!r} is not name=path (example: sql-lora=/adapters/sql)")
+        if name in modules:
+            raise ValueError(f"{name!r} is named twice")
+        modules[name] = path
+    return modules
+
+
+def format_lora_modules(modules: Mapping[str, str]) -> str:
+    return ",".join(f"{name}={path}" for name, path in sorted(modules.items()))
+
+
 # How the operator turns a knob's InferenceService field into the knob's value.
 CRD_VALUE = "value"  # the field's value is the knob's
 CRD_QUANTITY = "quantity"  # a Kubernetes quantity, in bytes (flotilla.quantity.quantity_bytes)
@@ -596,6 +627,48 @@ ENGINE_KNOBS: dict[str, Knob] = _declare(
         default=0,
         parse=parse_thread_count,
     ),
+    Knob(
+        name="enable_lora",
+        flag="--enable-lora",
+        help="serve LoRA adapters (PEFT folders) beside the base model, mixed in one batch: {lora_modules} "
+        "at start, POST /v1/load_lora_adapter and /v1/unload_lora_adapter at runtime",
+        default=False,
+        parse=None,
+        switch=True,
+    ),
+    Knob(
+        name="lora_modules",
+        flag="--lora-modules",
+        help="adapters to load at start, name=path,... (implies {enable_lora}); a request picks one by "
+        "`model: name`",
+        default=MappingProxyType({}),
+        parse=parse_lora_modules,
+        metavar="NAME=PATH,...",
+        show=format_lora_modules,
+    ),
+    Knob(
+        name="max_loras",
+        flag="--max-loras",
+        help="adapters active in one batch (their weights in device slots); a request whose adapter has no "
+        "slot waits for one (default {default})",
+        default=4,
+        parse=parse_positive_count,
+    ),
+    Knob(
+        name="max_lora_rank",
+        flag="--max-lora-rank",
+        help="the highest adapter rank accepted; slots are sized for it (default {default})",
+        default=64,
+        parse=parse_positive_count,
+    ),
+    Knob(
+        name="max_cpu_loras",
+        flag="--max-cpu-loras",
+        help="adapters loaded in host memory at once, at least {max_loras}; loading more is refused until "
+        "one is unloaded (default {default})",
+        default=16,
+        parse=parse_positive_count,
+    ),
 )
 # The knobs the operator sets (EngineArgs'), and those an InferenceService field sets.
 OPERATOR_KNOBS = {name: knob for name, knob in ENGINE_KNOBS.items() if knob.operator_sets}
@@ -617,6 +690,11 @@ FLAG_SPECULATIVE_METHOD = ENGINE_KNOBS["speculative_method"].flag
 FLAG_NUM_SPECULATIVE_TOKENS = ENGINE_KNOBS["num_speculative_tokens"].flag
 FLAG_SPECULATIVE_MODEL = ENGINE_KNOBS["speculative_model"].flag
 FLAG_SPECULATIVE_MAX_BATCH_SIZE = ENGINE_KNOBS["speculative_max_batch_size"].flag
+FLAG_ENABLE_LORA = ENGINE_KNOBS["enable_lora"].flag
+FLAG_LORA_MODULES = ENGINE_KNOBS["lora_modules"].flag
+FLAG_MAX_LORAS = ENGINE_KNOBS["max_loras"].flag
+FLAG_MAX_LORA_RANK = ENGINE_KNOBS["max_lora_rank"].flag
+FLAG_MAX_CPU_LORAS = ENGINE_KNOBS["max_cpu_loras"].flag
 
 
 class EngineArgs:

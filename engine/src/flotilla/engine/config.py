@@ -11,6 +11,9 @@ from typing import Any
 from flotilla.contract import (
     ATTENTION_BACKENDS,
     ENGINE_KNOBS,
+    FLAG_LORA_MODULES,
+    FLAG_MAX_CPU_LORAS,
+    FLAG_MAX_LORAS,
     FLAG_MAX_NUM_SEQS,
     FLAG_NUM_SPECULATIVE_TOKENS,
     FLAG_QUANTIZATION,
@@ -74,9 +77,17 @@ class EngineConfig:
     # enforce_eager; the batch sizes captured (default: 1, 2, 4, 8, then every 16 up to 256).
     enforce_eager: bool = knob_default("enforce_eager")
     cuda_graph_sizes: list[int] | None = knob_default("cuda_graph_sizes")
+    # LoRA adapters (lora/): served when enable_lora (lora_modules implies it), at most max_loras in one
+    # batch (device slots), ranks up to max_lora_rank, at most max_cpu_loras loaded in host memory.
+    enable_lora: bool = knob_default("enable_lora")
+    lora_modules: dict[str, str] = knob_default("lora_modules")
+    max_loras: int = knob_default("max_loras")
+    max_lora_rank: int = knob_default("max_lora_rank")
+    max_cpu_loras: int = knob_default("max_cpu_loras")
 
     def __post_init__(self) -> None:
         self._check_speculation()
+        self._check_lora()
         for size in self.cuda_graph_sizes or []:
             if not 1 <= size <= self.max_num_seqs:
                 raise ValueError(
@@ -137,6 +148,23 @@ class EngineConfig:
             raise ValueError(
                 f"{FLAG_SPECULATIVE_MODEL} {self.speculative_model}: only used with {FLAG_SPECULATIVE_METHOD} "
                 f"draft, not {method}"
+            )
+
+    def _check_lora(self) -> None:
+        if self.lora_modules:
+            self.enable_lora = True
+        for name, limit in (("max_loras", 1), ("max_lora_rank", 1), ("max_cpu_loras", 1)):
+            if getattr(self, name) < limit:
+                raise ValueError(f"{ENGINE_KNOBS[name].flag} {getattr(self, name)}: must be 1 or more")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"{FLAG_MAX_CPU_LORAS} {self.max_cpu_loras}: must be at least {FLAG_MAX_LORAS} "
+                f"({self.max_loras}): an adapter in a device slot is also kept in host memory"
+            )
+        if len(self.lora_modules) > self.max_cpu_loras:
+            raise ValueError(
+                f"{FLAG_LORA_MODULES}: {len(self.lora_modules)} adapters, more than {FLAG_MAX_CPU_LORAS} "
+                f"({self.max_cpu_loras})"
             )
 
     @property

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+from flotilla.contract import FLAG_ENABLE_LORA, root_block_hash
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.fair_share import FairShareConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
@@ -24,6 +25,7 @@ from flotilla.engine.core.request import FinishReason, Request
 from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
+from flotilla.engine.lora.errors import LoRAError, LoRAInUse, UnknownLoRA
 from flotilla.engine.text.output_processor import OutputProcessor
 from flotilla.engine.worker.model_files import ModelFiles
 
@@ -55,6 +57,7 @@ class LLMEngine:
                 resolved.max_model_len,
                 policy=config.scheduling_policy,
                 fair_share=FairShareConfig(tenant_weights=dict(config.tenant_weights)),
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_manager,
         )
@@ -67,6 +70,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._num_steps = 0
+        # LoRA adapters in host memory (None: --enable-lora is off); the runner owns them with the slots.
+        self.loras = self.runner.loras
+        for name, path in config.lora_modules.items():
+            self.load_lora(name, path)
 
     @property
     def max_model_len(self) -> int:
@@ -103,8 +110,10 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         tenant: str = "",
+        lora_name: str | None = None,
     ) -> Request:
         """Tokenizes and validates a request without queueing it (safe to call from any thread)."""
+        self.check_lora(lora_name)
         arrival_time = arrival_time if arrival_time is not None else time.time()
         params = params or self.default_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -121,6 +130,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
             tenant=tenant,
+            lora_name=lora_name or None,
         )
 
     def add_request(
@@ -131,12 +141,14 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         tenant: str = "",
+        lora_name: str | None = None,
     ) -> Request:
-        request = self.create_request(prompt, params, request_id, priority, arrival_time, tenant)
+        request = self.create_request(prompt, params, request_id, priority, arrival_time, tenant, lora_name)
         self.add_created_request(request)
         return request
 
     def add_created_request(self, request: Request) -> None:
+        self.check_lora(request.lora_name)
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
 
@@ -151,6 +163,43 @@ class LLMEngine:
         self.runner.sampler.forget(request_id)
         if self.proposer is not None:  # the n-gram index, or the draft model's last distributions
             self.proposer.forget(request_id)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------------
+    def check_lora(self, lora_name: str | None) -> None:
+        """Refuses a request for an adapter that is not loaded (or any adapter when LoRA is off)."""
+        if not lora_name:
+            return
+        if self.loras is None:
+            raise LoRAError(
+                f"LoRA adapter {lora_name!r}: this engine serves none ({FLAG_ENABLE_LORA} is off)", "model"
+            )
+        if lora_name not in self.loras:
+            raise UnknownLoRA(lora_name)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Reads, checks and registers a PEFT adapter folder; a LoRAError says why not, and registers
+        nothing."""
+        if self.loras is None:
+            raise LoRAError(f"cannot load {name!r}: {FLAG_ENABLE_LORA} is off", "lora_name")
+        self.loras.load(name, path)
+
+    def lora_users(self, name: str) -> int:
+        """Unfinished requests (waiting or running) that use the adapter."""
+        return sum(1 for r in list(self.scheduler.requests.values()) if r.lora_name == name)
+
+    def unload_lora(self, name: str) -> None:
+        """Unregisters an adapter no unfinished request uses: its host weights, its device slot and the KV
+        its requests left in the prefix cache all go. In use: LoRAInUse, and nothing changes."""
+        if self.loras is None or name not in self.loras:
+            raise UnknownLoRA(name)
+        users = self.lora_users(name)
+        if users:
+            raise LoRAInUse(name, users)
+        self.loras.remove(name)
+        if self.scheduler.lora_slots is not None:
+            self.scheduler.lora_slots.forget(name)
+        self.runner.forget_lora(name)
+        self.kv_manager.pool.evict_chain(root_block_hash(name))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -158,3 +158,21 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             self._evict(block)
+
+    def evict_chain(self, root: int) -> int:
+        """Forgets every cached block whose chain of hashes starts at `root` (an unloaded LoRA adapter's:
+        a later adapter of the same name must not find KV computed with these weights). Returns how many.
+        The caller makes sure no request holds them."""
+        children: dict[int, list[KVBlock]] = {}
+        for block in self.cached.values():
+            assert block.hash_key is not None
+            children.setdefault(block.hash_key[0], []).append(block)
+        evicted, frontier = 0, [root]
+        while frontier:
+            for block in children.pop(frontier.pop(), []):
+                assert block.ref_cnt == 0, f"{block} is in use"
+                assert block.block_hash is not None
+                frontier.append(block.block_hash)
+                self._evict(block)
+                evicted += 1
+        return evicted

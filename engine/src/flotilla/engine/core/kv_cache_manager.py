@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flotilla.contract import ROOT_BLOCK_HASH, prefix_block_hashes
+from flotilla.contract import prefix_block_hashes
 from flotilla.engine.core.block_pool import BlockPool, KVBlock
 from flotilla.engine.core.request import Request
 
@@ -37,11 +37,11 @@ class KVCacheManager:
         return self.pool.usage()
 
     def _update_block_hashes(self, request: Request) -> None:
-        prefix_block_hashes(request.all_token_ids, self.block_size, request.block_hashes)
+        prefix_block_hashes(request.all_token_ids, self.block_size, request.block_hashes, request.hash_root)
 
     def _hash_key(self, request: Request, index: int) -> tuple:
         bs = self.block_size
-        parent = request.block_hashes[index - 1] if index else ROOT_BLOCK_HASH
+        parent = request.block_hashes[index - 1] if index else request.hash_root
         return (parent, tuple(request.all_token_ids[index * bs : (index + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

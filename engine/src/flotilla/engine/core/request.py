@@ -10,6 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from flotilla.contract import root_block_hash
 from flotilla.engine.core.sampling_params import SamplingParams
 
 
@@ -39,6 +40,8 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     # Who the request is served for: the gateway's trusted header, else the engine's own tenant.
     tenant: str = ""
+    # The LoRA adapter it runs with (lora/); None: the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -58,6 +61,9 @@ class Request:
         self.block_ids: list[int] = []
         # Chained hashes of the full blocks of all_token_ids, filled in lazily.
         self.block_hashes: list[int] = []
+        # Where the chain of block hashes starts: one root per adapter, so that KV computed with one
+        # adapter's weights is never shared with another's requests.
+        self.hash_root = root_block_hash(self.lora_name)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None

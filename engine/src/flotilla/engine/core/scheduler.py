@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from flotilla.contract import SCHEDULING_FCFS
 from flotilla.engine.core.fair_share import FairShareConfig, FairShareLedger
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
+from flotilla.engine.core.lora_slots import NO_SLOT, LoRASlots
 from flotilla.engine.core.policy import SchedulingPolicy
 from flotilla.engine.core.request import FinishReason, Request, RequestStatus
 from flotilla.engine.core.resolved import check_context_length
@@ -34,6 +35,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = SCHEDULING_FCFS  # one of SCHEDULING_POLICIES (policy.py)
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
+    max_loras: int = 0  # LoRA adapters' device slots (lora_slots.py); 0: the base model only
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -52,6 +54,8 @@ class ScheduledRequest:
     samples: bool = False
     # Draft tokens verified in this step; they are the last len(spec_token_ids) of the num_new_tokens.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The device slot of the request's LoRA adapter (NO_SLOT: the base model).
+    lora_slot: int = NO_SLOT
 
     @classmethod
     def of(
@@ -60,10 +64,11 @@ class ScheduledRequest:
         num_new_tokens: int,
         num_computed_tokens: int,
         spec_token_ids: list[int] | None = None,
+        lora_slot: int = NO_SLOT,
     ) -> ScheduledRequest:
         spec = spec_token_ids or []
         samples = num_computed_tokens + num_new_tokens - len(spec) == request.num_tokens
-        return cls(request, num_new_tokens, num_computed_tokens, samples, spec)
+        return cls(request, num_new_tokens, num_computed_tokens, samples, spec, lora_slot)
 
 
 @dataclass
@@ -93,6 +98,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
 
     # -- queue bookkeeping -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -122,6 +128,7 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release_lora(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         self.ledger.leave(request.tenant)
@@ -130,8 +137,16 @@ class Scheduler:
         request.finish_reason = reason
         return request
 
+    def _release_lora(self, request: Request) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.release(request.lora_name)
+
+    def _lora_slot(self, request: Request) -> int:
+        return NO_SLOT if self.lora_slots is None else self.lora_slots.slot_of(request.lora_name)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_lora(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_draft_computed_tokens = 0
@@ -165,7 +180,11 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest.of(request, num_new, request.num_computed_tokens, spec))
+                out.scheduled.append(
+                    ScheduledRequest.of(
+                        request, num_new, request.num_computed_tokens, spec, self._lora_slot(request)
+                    )
+                )
                 budget -= num_new
                 i += 1
                 continue
@@ -199,7 +218,9 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            index = self.policy.pick(self.waiting)
+            index = self._pick_waiting()
+            if index is None:
+                break  # every waiting request's adapter waits for a slot
             request = self.waiting[index]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -213,8 +234,22 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._running_key)
-            out.scheduled.append(ScheduledRequest.of(request, num_new, num_hit_tokens))
+            slot = NO_SLOT if self.lora_slots is None else self.lora_slots.acquire(request.lora_name)
+            out.scheduled.append(ScheduledRequest.of(request, num_new, num_hit_tokens, lora_slot=slot))
             budget -= num_new
+
+    def _pick_waiting(self) -> int | None:
+        """The policy's pick among the waiting requests that may run now: with LoRA slots, a request whose
+        adapter is in no slot while every slot is in use waits, and those behind it may go first."""
+        if self.lora_slots is None:
+            return self.policy.pick(self.waiting)
+        slots = self.lora_slots
+        eligible = [r for r in self.waiting if slots.can_run(r.lora_name)]
+        if not eligible:
+            return None
+        if len(eligible) == len(self.waiting):
+            return self.policy.pick(self.waiting)
+        return self.waiting.index(eligible[self.policy.pick(eligible)])
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, list[int]]

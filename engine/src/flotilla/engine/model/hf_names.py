@@ -157,3 +157,40 @@ def serving_parameter(name: str) -> tuple[str, str | None, int | None]:
             if module.endswith(f".{part}"):
                 return f"{module.removesuffix(part)}{fused}.{leaf}", fused, shard
     return name, None, None
+
+
+# PEFT's LoRA adapters (adapter_model.safetensors) name each low-rank pair after the module it adapts, under
+# PEFT's wrapper of the causal LM: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` is
+# A ([rank, in_features]) and `...lora_B.weight` is B ([out_features, rank]); the update is B @ A scaled.
+PEFT_PREFIX = "base_model.model."
+LORA_A, LORA_B = "lora_A", "lora_B"
+# The checkpoint modules an adapter may adapt (a decoder layer's linear layers), by their short names as
+# PEFT's target_modules spells them.
+LORA_TARGETS: dict[str, str] = {
+    short(m): m for m in (Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ)
+}
+
+
+def peft_lora_tensor(name: str) -> tuple[int, str, str] | None:
+    """A PEFT adapter tensor's name -> (layer, checkpoint module, LORA_A or LORA_B), or None where the
+    name is not a LoRA weight of a decoder layer's module (the caller says what it is instead)."""
+    rest = name.removeprefix(PEFT_PREFIX)
+    prefix = f"{BODY}.{LAYERS}."
+    if rest == name or not rest.startswith(prefix):
+        return None
+    layer, _, rest = rest.removeprefix(prefix).partition(".")
+    module, _, leaf = rest.rpartition(".")  # leaf: weight
+    module, _, which = module.rpartition(".")
+    if (
+        not layer.isdigit()
+        or leaf != WEIGHT
+        or which not in (LORA_A, LORA_B)
+        or module not in LORA_TARGETS.values()
+    ):
+        return None
+    return int(layer), module, which
+
+
+def peft_lora_name(i: int, module: str, which: str) -> str:
+    """peft_lora_tensor's inverse: the name PEFT saves layer i's module's A or B under."""
+    return f"{PEFT_PREFIX}{checkpoint_module(i, module)}.{which}.{WEIGHT}"

@@ -11,12 +11,16 @@ import torch
 from torch.profiler import record_function
 
 from flotilla.engine.config import EngineConfig, blocks_for_budget
+from flotilla.engine.core.lora_slots import NO_SLOT
 from flotilla.engine.core.outputs import ModelInfo, SampledLogprob
 from flotilla.engine.core.resolved import Resolved
-from flotilla.engine.core.scheduler import SchedulerOutput
+from flotilla.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from flotilla.engine.kernels import cpu_decode
 from flotilla.engine.kernels.attention import TorchAttentionBackend
 from flotilla.engine.kernels.linear import pack_for_cpu
+from flotilla.engine.kernels.lora import Segment
+from flotilla.engine.lora.layers import LoRAWeights
+from flotilla.engine.lora.registry import LoRARegistry
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model, resolve_device, resolve_dtype
 from flotilla.engine.model.quantize import bf16_weight_bytes, kernels_in_use, weight_bytes
@@ -55,6 +59,20 @@ def pick_backend(
 
 def heads(model: ModelConfig) -> tuple[int, int, int]:
     return model.head_dim, model.num_attention_heads, model.num_key_value_heads
+
+
+def lora_segments(items: list[ScheduledRequest], query_start: list[int]) -> list[Segment]:
+    """The runs of consecutive rows whose requests share an adapter slot (base rows: none)."""
+    segments: list[Segment] = []
+    for index, item in enumerate(items):
+        if item.lora_slot == NO_SLOT:
+            continue
+        start, end = query_start[index], query_start[index + 1]
+        if segments and segments[-1][2] == item.lora_slot and segments[-1][1] == start:
+            segments[-1] = (segments[-1][0], end, item.lora_slot)
+        else:
+            segments.append((start, end, item.lora_slot))
+    return segments
 
 
 @dataclass
@@ -159,8 +177,30 @@ class ModelRunner:
                 sampler=self.sampler,
                 show_progress=config.show_progress,
             )
+        # LoRA: adapters in host memory (the registry) and in device slots (the wrapped linear layers).
+        self.loras: LoRARegistry | None = None
+        self.lora_weights: LoRAWeights | None = None
+        if config.enable_lora:
+            self.loras = LoRARegistry(
+                model_config, set(), config.max_lora_rank, config.max_cpu_loras, self.dtype
+            )
+            self.lora_weights = LoRAWeights(
+                self.model, model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype
+            )
+            log.info(
+                "LoRA: %d slots of rank %d, %.1f MiB each",
+                config.max_loras,
+                config.max_lora_rank,
+                self.lora_weights.slot_bytes / 2**20,
+            )
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
+        # Decode graphs replay fixed kernels; a step's LoRA segments change with its batch, so LoRA runs eager.
+        if (
+            self.device.type == "cuda"
+            and self.backend.name == "triton"
+            and not config.enforce_eager
+            and not config.enable_lora
+        ):
             self.enable_decode_graphs(capture=True)
 
     @property
@@ -221,14 +261,34 @@ class ModelRunner:
             )
         return blocks
 
+    def _fill_lora_slots(self, items: list[ScheduledRequest]) -> None:
+        """Copies into each slot this step uses the adapter the scheduler put there, where the slot holds
+        another (or none)."""
+        assert self.lora_weights is not None and self.loras is not None
+        for item in items:
+            slot, name = item.lora_slot, item.request.lora_name
+            if slot != NO_SLOT and self.lora_weights.slot_contents[slot] != name:
+                assert name is not None
+                self.lora_weights.fill(slot, self.loras.get(name))
+
+    def forget_lora(self, name: str) -> None:
+        """An unloaded adapter leaves its device slot."""
+        if self.lora_weights is not None and name in self.lora_weights.slot_contents:
+            self.lora_weights.clear(self.lora_weights.slot_contents.index(name))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         # The thread count is per calling thread under OpenMP, and a server steps on its own thread.
         threads = self.config.cpu_threads
         if threads and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        items = out.scheduled
+        if self.lora_weights is not None:
+            # Requests of one adapter side by side: one segment (two matmuls per layer) per adapter.
+            items = sorted(items, key=lambda item: item.lora_slot)
+            self._fill_lora_slots(items)
         rows = []
-        for item in out.scheduled:
+        for item in items:
             request, start = item.request, item.num_computed_tokens
             known = request.all_token_ids[start : start + item.num_new_tokens - len(item.spec_token_ids)]
             rows.append(BatchRow(known + item.spec_token_ids, start, request.block_ids))
@@ -237,12 +297,20 @@ class ModelRunner:
             row_ends = list(range(1, len(rows) + 1))
         else:
             batch = build_batch(rows, self.block_size, self.device)
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+            if self.lora_weights is not None:
+                self.lora_weights.step.segments = lora_segments(items, batch.meta.query_start)
+            try:
+                hidden = self.model(
+                    batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
+                )
+            finally:
+                if self.lora_weights is not None:
+                    self.lora_weights.step.segments = ()
             row_ends = batch.row_ends
         # The rows whose logits pick tokens: a sampling request's last, and one more per draft before it.
         sample_rows: list[int] = []
         sampling = []
-        for item, end in zip(out.scheduled, row_ends, strict=True):
+        for item, end in zip(items, row_ends, strict=True):
             if item.samples:
                 sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
                 sampling.append(item)
