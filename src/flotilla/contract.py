@@ -165,6 +165,17 @@ SPEC_DECODE_DRAFT_TOKENS = "flotilla_spec_decode_num_draft_tokens"
 SPEC_DECODE_ACCEPTED_TOKENS = "flotilla_spec_decode_num_accepted_tokens"
 SPEC_DECODE_ACCEPTED_PER_POSITION = "flotilla_spec_decode_num_accepted_tokens_per_pos"
 LABEL_POSITION = "position"
+# LoRA adapters (`--enable-lora`): vLLM's info gauge (always 1) whose labels name the slots, the adapters
+# running and those waiting, comma-separated; and per loaded adapter (label LABEL_LORA_NAME, bounded by
+# `--max-cpu-loras`: an unloaded adapter's series go) its finished requests and its tokens.
+LORA_REQUESTS_INFO = "flotilla_lora_requests_info"
+LABEL_MAX_LORA = "max_lora"
+LABEL_RUNNING_LORA_ADAPTERS = "running_lora_adapters"
+LABEL_WAITING_LORA_ADAPTERS = "waiting_lora_adapters"
+LORA_REQUESTS = "flotilla_lora_requests"
+LORA_PROMPT_TOKENS = "flotilla_lora_prompt_tokens"
+LORA_GENERATION_TOKENS = "flotilla_lora_generation_tokens"
+LABEL_LORA_NAME = "lora_name"
 
 
 def counter_total(name: str) -> str:

@@ -21,6 +21,7 @@ from flotilla.engine.core.request import Request
 from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.llm_engine import LLMEngine
+from flotilla.engine.lora.errors import LoRAInUse
 from flotilla.engine.text.tokenizer import ModelTokenizer
 
 
@@ -82,21 +83,26 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         tenant: str = "",
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs (new tokens and text each step) until it finishes.
         arrival_time: when the request reached the server (TTFT counts from it); default now.
-        tenant: who it is served for (the fair policy's unit)."""
+        tenant: who it is served for (the fair policy's unit). lora_name: its adapter (None: the base)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error!r}")
         self.start()
-        request = self.engine.create_request(prompt, params, request_id, priority, arrival_time, tenant)
+        request = self.engine.create_request(
+            prompt, params, request_id, priority, arrival_time, tenant, lora_name
+        )
         rid = request.request_id
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in use")
+        with self._lock:
+            # Under the lock an unload waits for: the adapter cannot go between this check and the add.
+            self.engine.check_lora(request.lora_name)
+            self._to_add.append(request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        with self._lock:
-            self._to_add.append(request)
         assert self._wakeup is not None
         self._wakeup.set()
         finished = False
@@ -113,6 +119,43 @@ class AsyncEngine:
             self._queues.pop(rid, None)
             if not finished:
                 self.abort(rid)
+
+    # -- LoRA adapters: loaded and unloaded on the engine's thread, between two steps ---------------------
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.loras is not None
+
+    def lora_names(self) -> list[str]:
+        return [name for name, _path in self.lora_adapters()]
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, folder) of each loaded adapter, in load order (one copy: loads run on another thread)."""
+        loras = self.engine.loras
+        return [] if loras is None else [(name, a.path) for name, a in list(loras.adapters.items())]
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Reads, checks and registers an adapter (a LoRAError says why not; nothing is registered)."""
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.load_lora, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unregisters an adapter that no request uses, queued ones included (LoRAInUse otherwise)."""
+
+        def check() -> None:  # under self._lock
+            queued = sum(1 for r in self._to_add if r.lora_name == name)
+            users = queued + self.engine.lora_users(name)
+            if users and self.engine.loras is not None and name in self.engine.loras:
+                raise LoRAInUse(name, users)
+
+        def unload() -> None:
+            with self._lock:  # no request for it can be queued meanwhile (generate checks under the lock)
+                check()
+                self.engine.unload_lora(name)
+
+        # Refused at once while requests use it (without waiting for the engine's thread, which may be in
+        # a long step); then unloaded on that thread, between two steps, after checking again.
+        with self._lock:
+            check()
+        await asyncio.get_running_loop().run_in_executor(self._thread, unload)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

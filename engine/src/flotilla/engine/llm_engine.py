@@ -14,13 +14,21 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 from flotilla.contract import FLAG_ENABLE_LORA, root_block_hash
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.core.fair_share import FairShareConfig
 from flotilla.engine.core.kv_cache_manager import KVCacheManager
 from flotilla.engine.core.ngram_proposer import NgramProposer
-from flotilla.engine.core.outputs import EngineStats, ModelInfo, RequestOutput, SpecDecodeStats, TenantStats
+from flotilla.engine.core.outputs import (
+    EngineStats,
+    LoRAStats,
+    ModelInfo,
+    RequestOutput,
+    SpecDecodeStats,
+    TenantStats,
+)
 from flotilla.engine.core.request import FinishReason, Request
 from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.sampling_params import SamplingParams
@@ -72,6 +80,7 @@ class LLMEngine:
         self._num_steps = 0
         # LoRA adapters in host memory (None: --enable-lora is off); the runner owns them with the slots.
         self.loras = self.runner.loras
+        self.lora_stats: dict[str, LoRAStats] = {}
         for name, path in config.lora_modules.items():
             self.load_lora(name, path)
 
@@ -182,6 +191,7 @@ class LLMEngine:
         if self.loras is None:
             raise LoRAError(f"cannot load {name!r}: {FLAG_ENABLE_LORA} is off", "lora_name")
         self.loras.load(name, path)
+        self.lora_stats[name] = LoRAStats()
 
     def lora_users(self, name: str) -> int:
         """Unfinished requests (waiting or running) that use the adapter."""
@@ -196,6 +206,7 @@ class LLMEngine:
         if users:
             raise LoRAInUse(name, users)
         self.loras.remove(name)
+        self.lora_stats.pop(name, None)
         if self.scheduler.lora_slots is not None:
             self.scheduler.lora_slots.forget(name)
         self.runner.forget_lora(name)
@@ -218,6 +229,8 @@ class LLMEngine:
         now = time.time()
         self._num_steps += 1
         updated = self.scheduler.update_from_output(sched, result.tokens)
+        if self.lora_stats:
+            self._count_lora_usage(updated)
         processed = self.output_processor.process(
             [(request, tokens, result.logprobs.get(request.request_id)) for request, tokens in updated], now
         )
@@ -229,6 +242,15 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         return processed.outputs
+
+    def _count_lora_usage(self, updated: list[tuple[Request, list[int]]]) -> None:
+        for request, tokens in updated:
+            stats = self.lora_stats.get(request.lora_name or "")
+            if stats is not None:
+                stats.generation_tokens += len(tokens)
+                if request.is_finished:
+                    stats.requests += 1
+                    stats.prompt_tokens += request.num_prompt_tokens
 
     def _propose_drafts(self) -> None:
         """Drafts for the next step, for each decoding request that can use them, while the batch is small
@@ -271,7 +293,20 @@ class LLMEngine:
             num_steps=self._num_steps,
             tenants=self._tenant_stats(),
             spec_decode=self.spec_stats.copy(),
+            **self._lora_gauges(),
         )
+
+    def _lora_gauges(self) -> dict:
+        slots = self.scheduler.lora_slots
+        if slots is None:
+            return {}
+        waiting = {r.lora_name for r in list(self.scheduler.waiting) if r.lora_name}
+        return {
+            "loras": {name: replace(s) for name, s in list(self.lora_stats.items())},
+            "running_loras": slots.running_adapters(),
+            "waiting_loras": sorted(waiting),
+            "max_loras": slots.num_slots,
+        }
 
     def _tenant_stats(self) -> dict[str, TenantStats]:
         """Each tenant's ledger entry and queued requests, copied. The worker thread may add a tenant or

@@ -99,6 +99,20 @@ class EngineStats:
     # Per request tenant ("" is the engine's own when none was named), in the order tenants first arrived.
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # LoRA: per loaded adapter, what it has served; the adapters running and waiting; the slots.
+    loras: dict[str, LoRAStats] = field(default_factory=dict)
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
+    max_loras: int = 0
+
+
+@dataclass
+class LoRAStats:
+    """What one loaded adapter has served since it was loaded."""
+
+    requests: int = 0  # finished (not aborted)
+    prompt_tokens: int = 0  # of its finished requests
+    generation_tokens: int = 0
 
 
 @dataclass(frozen=True)

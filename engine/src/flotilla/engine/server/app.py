@@ -28,17 +28,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flotilla.engine.async_engine import AsyncEngine
-from flotilla.engine.server.errors import ApiError, bad_request
+from flotilla.engine.lora.errors import LoRAError, LoRAInUse, UnknownLoRA
+from flotilla.engine.server.errors import ApiError, bad_request, lora_error
 from flotilla.engine.server.metrics import EngineMetrics
 from flotilla.engine.server.openapi import register_body_schemas
-from flotilla.engine.server.routes import chat, completions, health, models, tokenize
+from flotilla.engine.server.routes import chat, completions, health, lora, models, tokenize
 from flotilla.engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState, Serving
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DrainingServer", "ServerSettings", "ServerState", "create_app"]
 
 log = logging.getLogger("flotilla.engine.server.app")
 
-ROUTERS = (health.router, models.router, completions.router, chat.router, tokenize.router)
+ROUTERS = (health.router, models.router, completions.router, chat.router, tokenize.router, lora.router)
 
 
 def create_app(
@@ -94,6 +95,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(LoRAError)
+    @app.exception_handler(UnknownLoRA)
+    @app.exception_handler(LoRAInUse)
+    async def adapter_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, LoRAError | UnknownLoRA | LoRAInUse)
+        return lora_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from flotilla.engine.lora.errors import LoRAError, LoRAInUse, UnknownLoRA
 from flotilla.openai_errors import OpenAIError
 
 T = TypeVar("T", bound=BaseModel)
@@ -77,3 +78,12 @@ def _validation_error(exc: ValidationError) -> ApiError:
 def _is_type_tag(part) -> bool:
     # pydantic names union members in the location, e.g. ('prompt', 'str') or ('prompt', 'list[int]').
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def lora_error(exc: LoRAError | UnknownLoRA | LoRAInUse) -> ApiError:
+    """An adapter refused (400, naming the field), not loaded (404, as an unknown model) or in use (409)."""
+    if isinstance(exc, UnknownLoRA):
+        return ApiError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, LoRAInUse):
+        return ApiError(409, str(exc), param="lora_name", code="lora_in_use")
+    return bad_request(str(exc), param=exc.field, code="invalid_lora_adapter")

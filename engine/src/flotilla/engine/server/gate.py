@@ -63,18 +63,26 @@ class Gate:
         arrival = time.time()  # TTFT counts from here
         tenant = self.tenant(request)  # before the body is read: a forbidden request costs no parsing
         body = await parse_json_body(request, model, self.settings.max_body_bytes)
-        self.check_model(body.model)
-        return body, Call(request, arrival, tenant, self.admit)
+        lora_name = self.check_model(body.model)
+        return body, Call(request, arrival, tenant, self.admit, lora_name)
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's model names (None: the base model), or 404 when it names
+        neither."""
         model_name = self.settings.model_name
-        if name is not None and name != model_name:
-            raise ApiError(
-                404,
-                f"the model '{name}' does not exist; this server serves '{model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+        if name is None or name == model_name:
+            return None
+        engine = self.state.engine
+        adapters = engine.lora_names() if engine is not None else []
+        if name in adapters:
+            return name
+        served = ", ".join(f"'{n}'" for n in [model_name, *adapters])
+        raise ApiError(
+            404,
+            f"the model '{name}' does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
 
     def serving(self) -> Serving:
         status, body = self.state.health()

@@ -44,13 +44,21 @@ from flotilla.contract import (
     KV_CACHE_USAGE_RATIO,
     LABEL_DTYPE,
     LABEL_FINISH_REASON,
+    LABEL_LORA_NAME,
+    LABEL_MAX_LORA,
     LABEL_MODEL,
     LABEL_POSITION,
     LABEL_QUANTIZATION,
     LABEL_QUANTIZATION_GROUP_SIZE,
+    LABEL_RUNNING_LORA_ADAPTERS,
     LABEL_SERVICE,
     LABEL_TENANT,
+    LABEL_WAITING_LORA_ADAPTERS,
     LATENCY_BUCKETS,
+    LORA_GENERATION_TOKENS,
+    LORA_PROMPT_TOKENS,
+    LORA_REQUESTS,
+    LORA_REQUESTS_INFO,
     MODEL_INFO,
     MODEL_WEIGHT_BYTES,
     NUM_PREEMPTIONS,
@@ -160,6 +168,35 @@ class _StatsCollector:
         yield finished
         yield from self._per_tenant(stats.tenants)
         yield from self._spec_decode(stats.spec_decode, counter)
+        if stats.max_loras:
+            yield from self._lora(stats)
+
+    def _lora(self, stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """vLLM's LoRA info gauge, and per loaded adapter its requests and tokens (only with --enable-lora;
+        at most --max-cpu-loras adapters, so the label is bounded)."""
+        names, values = list(self._labels), list(self._labels.values())
+        info = GaugeMetricFamily(
+            LORA_REQUESTS_INFO,
+            "LoRA slots, and the adapters of running and of waiting requests (comma-separated labels).",
+            labels=[*names, LABEL_MAX_LORA, LABEL_RUNNING_LORA_ADAPTERS, LABEL_WAITING_LORA_ADAPTERS],
+        )
+        info.add_metric(
+            [*values, str(stats.max_loras), ",".join(stats.running_loras), ",".join(stats.waiting_loras)], 1
+        )
+        yield info
+        for name, doc, read in (
+            (LORA_REQUESTS, "Finished requests, by LoRA adapter.", lambda s: s.requests),
+            (
+                LORA_PROMPT_TOKENS,
+                "Prompt tokens of finished requests, by LoRA adapter.",
+                lambda s: s.prompt_tokens,
+            ),
+            (LORA_GENERATION_TOKENS, "Tokens generated, by LoRA adapter.", lambda s: s.generation_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=[*names, LABEL_LORA_NAME])
+            for adapter, served in sorted(stats.loras.items()):
+                family.add_metric([*values, adapter], read(served))
+            yield family
 
     def _spec_decode(self, spec: SpecDecodeStats, counter) -> Iterator[CounterMetricFamily]:
         """vLLM's speculative-decoding counters; all zero when the engine does not speculate."""

@@ -185,10 +185,30 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "flotilla"
+    # vLLM's: a LoRA adapter's parent is the base model's id, its root the folder it was loaded from; the
+    # base model is its own root and has no parent.
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
     quantization: str = "none"  # the decoder's weight-only quantization: none, int8 or int4
     quantization_group_size: int | None = None  # int4 only
     weight_bytes: int  # the loaded weights, quantized weights and their scales included
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; its lora_int_id is accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

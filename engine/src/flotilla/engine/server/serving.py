@@ -48,6 +48,7 @@ class Call:
     arrival: float
     tenant: str
     admit: Callable[[int], Callable[[], None]]
+    lora_name: str | None = None  # the LoRA adapter the body's model names (None: the base model)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Job:
     include_usage: bool
     num_prompt_tokens: int  # each prompt counted once, however many choices share it
     tenant: str = ""  # who it is served for (server/tenancy.py)
+    lora_name: str | None = None  # its adapter; the responses' `model` is then the adapter's name
 
 
 class OpenAIServing:
@@ -156,6 +158,7 @@ class OpenAIServing:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             num_prompt_tokens=sum(len(ids) for ids in prompts),
             tenant=call.tenant,
+            lora_name=call.lora_name,
         )
 
     # -- answering ---------------------------------------------------------------------------------
@@ -224,6 +227,7 @@ class OpenAIServing:
             f"{job.request_id}-{choice.index}",
             arrival_time=job.arrival_time,
             tenant=job.tenant,
+            lora_name=job.lora_name,
         )
         async with contextlib.aclosing(stream):
             async for out in stream:
@@ -263,16 +267,19 @@ class OpenAIServing:
         }
 
     def _body(self, job: Job, kind: str, choices: list[dict]) -> dict:
-        return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name,
+        return {"id": job.request_id, "object": kind, "created": job.created, "model": self._model(job),
                 "choices": choices, "usage": self._usage(job)}  # fmt: skip
 
     def _chunk(self, job: Job, kind: str, choices: list[dict], usage: dict | None = None) -> str:
         """One SSE event of a stream; `usage` is present (null until the last) when the client asked."""
-        body = {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name,
+        body = {"id": job.request_id, "object": kind, "created": job.created, "model": self._model(job),
                 "choices": choices}  # fmt: skip
         if job.include_usage:
             body["usage"] = usage
         return sse(body)
+
+    def _model(self, job: Job) -> str:
+        return job.lora_name or self.model_name
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,4 +1,4 @@
-"""GET /v1/models: the one model this server serves."""
+"""GET /v1/models: the base model this server serves, and each LoRA adapter loaded over it."""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def models(gate: Gate = Depends(get_gate)) -> JSONResponse:
     resolved = gate.serving().engine.resolved
     info = resolved.model_info
-    card = {"id": gate.settings.model_name, "object": "model", "created": gate.state.created,
-            "owned_by": "flotilla", "max_model_len": resolved.max_model_len, "quantization": info.quantization,
-            "quantization_group_size": info.quantization_group_size,
+    base = gate.settings.model_name
+    card = {"id": base, "object": "model", "created": gate.state.created, "owned_by": "flotilla",
+            "root": base, "parent": None, "max_model_len": resolved.max_model_len,
+            "quantization": info.quantization, "quantization_group_size": info.quantization_group_size,
             "weight_bytes": info.weight_bytes}  # fmt: skip
-    return JSONResponse({"object": "list", "data": [card]})
+    engine = gate.serving().engine
+    # Each loaded LoRA adapter is a model of its own whose parent is the base (vLLM's listing).
+    adapters = [card | {"id": name, "root": path, "parent": base} for name, path in engine.lora_adapters()]
+    return JSONResponse({"object": "list", "data": [card, *adapters]})
