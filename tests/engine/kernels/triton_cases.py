@@ -200,3 +200,28 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(hf_models):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.all_logprobs, b.all_logprobs, strict=True):
             assert abs(x.logprob - y.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_lora_matches_the_reference(dtype):
+    """Segments of several lengths (one past a tile, one row) over slots of different widths, a base
+    segment left alone, and output widths past one column tile."""
+    from flotilla.engine.kernels import lora, triton_lora
+
+    torch.manual_seed(0)
+    slots, max_width, k, n = 3, 24, 80, 150
+    a = torch.randn(slots, max_width, k).to(dtype)
+    bt = torch.randn(slots, max_width, n).to(dtype)
+    widths = [24, 8, 0]
+    x = torch.randn(40, k).to(dtype)
+    out = torch.randn(40, n).to(dtype)
+    segments = [(0, 19, 1), (19, 20, 0), (25, 40, 2), (20, 25, 0)]
+    ref = lora.reference_add_lora(out, x, a, bt, widths, segments)
+    table, longest = triton_lora.segment_table(segments, x.device)
+    got = triton_lora.triton_add_lora(
+        out.clone(), x, a, bt, torch.tensor(widths, dtype=torch.int32), table, longest
+    )
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tolerance * 10, rtol=tolerance)
+    torch_path = lora.add_lora(out.clone(), x, a, bt, widths, segments)
+    torch.testing.assert_close(torch_path.float(), ref.float(), atol=tolerance * 10, rtol=tolerance)

@@ -115,3 +115,37 @@ def kv_bytes_per_block(folder) -> int:
     from flotilla.engine.model.config import ModelConfig
 
     return ModelConfig.from_file(folder / "config.json").kv_bytes_per_token(4) * 4
+
+
+def test_ngram_speculation_with_adapters_keeps_parity(hf_models, lora_adapters):
+    """Drafts are verified by the target with each request's own adapter, so speculation changes no token."""
+    folder, base = hf_models("llama-gqa")
+    adapters = lora_adapters("llama-gqa")
+    engine = make_engine(
+        folder,
+        enable_lora=True,
+        lora_modules={name: str(path) for name, (path, _ref) in adapters.items()},
+        max_loras=3,
+        max_lora_rank=16,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        speculative_max_batch_size=16,
+    )
+    references = {None: base, **{name: ref for name, (_path, ref) in adapters.items()}}
+    batch, who = mixed_batch(adapters)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params, lora_name=n).request_id for p, n in zip(batch, who, strict=True)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    for prompt, name, rid in zip(batch, who, ids, strict=True):
+        assert finals[rid].token_ids == hf_reference(references[name], prompt)[0], name
+    assert engine.spec_stats.num_draft_tokens > 0  # it did speculate
+
+
+def test_quantization_with_adapters_is_refused_by_name(hf_models):
+    folder, _base = hf_models("llama-gqa")
+    with pytest.raises(ValueError, match="--quantization int8 with --enable-lora"):
+        make_engine(folder, enable_lora=True, quantization="int8")

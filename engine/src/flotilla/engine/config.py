@@ -11,6 +11,7 @@ from typing import Any
 from flotilla.contract import (
     ATTENTION_BACKENDS,
     ENGINE_KNOBS,
+    FLAG_ENABLE_LORA,
     FLAG_LORA_MODULES,
     FLAG_MAX_CPU_LORAS,
     FLAG_MAX_LORAS,
@@ -160,6 +161,13 @@ class EngineConfig:
             raise ValueError(
                 f"{FLAG_MAX_CPU_LORAS} {self.max_cpu_loras}: must be at least {FLAG_MAX_LORAS} "
                 f"({self.max_loras}): an adapter in a device slot is also kept in host memory"
+            )
+        if self.enable_lora and self.quantization != "none":
+            # Adapters would add their float update to a quantized base; without a parity test against
+            # PEFT over the same quantized weights that is not promised, so it is refused.
+            raise ValueError(
+                f"{FLAG_QUANTIZATION} {self.quantization} with {FLAG_ENABLE_LORA}: LoRA adapters are served "
+                "over an unquantized base only"
             )
         if len(self.lora_modules) > self.max_cpu_loras:
             raise ValueError(

@@ -4,8 +4,8 @@ segments, each a run of consecutive rows of requests with the same adapter slot,
 the slot stacks lora/layers.py keeps, the scale folded into Bt). Base-model rows belong to no segment.
 
 On the CPU (and wherever Triton is not used) the segments run as two matmuls each, on views of the
-stacks, so a batch of one adapter costs two small GEMMs per layer. On CUDA, `triton_add_lora` (in
-triton_lora.py) runs every segment in one launch per half.
+stacks, so a batch of one adapter costs two small GEMMs per layer. On CUDA, `triton_add_lora`
+(triton_lora.py) runs every segment in one launch per half.
 """
 
 from __future__ import annotations

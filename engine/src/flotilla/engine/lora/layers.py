@@ -22,10 +22,22 @@ from flotilla.engine.model.config import ModelConfig
 
 
 class StepSegments:
-    """The current step's segments, shared by every wrapped layer (set by the runner before a forward)."""
+    """The current step's segments, shared by every wrapped layer (set by the runner before a forward);
+    on CUDA also as the device table the Triton kernels read, built once per step."""
 
     def __init__(self) -> None:
         self.segments: Sequence[Segment] = ()
+        self._table: tuple[torch.Tensor, int] | None = None
+
+    def set(self, segments: Sequence[Segment]) -> None:
+        self.segments, self._table = segments, None
+
+    def table(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        if self._table is None:
+            from flotilla.engine.kernels.triton_lora import segment_table
+
+            self._table = segment_table(self.segments, device)
+        return self._table
 
 
 class LoRALinear(nn.Module):
@@ -34,12 +46,24 @@ class LoRALinear(nn.Module):
         self.base = base
         self.a_stack, self.bt_stack = a, bt
         self.widths = [0] * a.shape[0]  # per slot
+        # The same on the device, for the Triton kernels (CUDA only).
+        self.widths_tensor = torch.zeros(a.shape[0], dtype=torch.int32, device=a.device)
         self.step = step
+
+    def set_width(self, slot: int, width: int) -> None:
+        self.widths[slot] = width
+        self.widths_tensor[slot] = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         if self.step.segments:
-            add_lora(out, x, self.a_stack, self.bt_stack, self.widths, self.step.segments)
+            if x.is_cuda:
+                from flotilla.engine.kernels.triton_lora import triton_add_lora
+
+                table, longest = self.step.table(x.device)
+                triton_add_lora(out, x, self.a_stack, self.bt_stack, self.widths_tensor, table, longest)
+            else:
+                add_lora(out, x, self.a_stack, self.bt_stack, self.widths, self.step.segments)
         return out
 
 
@@ -84,15 +108,15 @@ class LoRAWeights:
         for key, layer in self.layers.items():
             update = adapter.updates.get(key)
             if update is None:
-                layer.widths[slot] = 0
+                layer.set_width(slot, 0)
                 continue
             width = update.width
             layer.a_stack[slot, :width].copy_(update.a)
             layer.bt_stack[slot, :width].copy_(update.bt)
-            layer.widths[slot] = width
+            layer.set_width(slot, width)
         self.slot_contents[slot] = adapter.name
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
-            layer.widths[slot] = 0
+            layer.set_width(slot, 0)
         self.slot_contents[slot] = None

@@ -298,14 +298,14 @@ class ModelRunner:
         else:
             batch = build_batch(rows, self.block_size, self.device)
             if self.lora_weights is not None:
-                self.lora_weights.step.segments = lora_segments(items, batch.meta.query_start)
+                self.lora_weights.step.set(lora_segments(items, batch.meta.query_start))
             try:
                 hidden = self.model(
                     batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
                 )
             finally:
                 if self.lora_weights is not None:
-                    self.lora_weights.step.segments = ()
+                    self.lora_weights.step.set(())
             row_ends = batch.row_ends
         # The rows whose logits pick tokens: a sampling request's last, and one more per draft before it.
         sample_rows: list[int] = []
