@@ -1,4 +1,4 @@
-"""`flotilla engine bench serve|offline|fair|gpu`: the flags (argparse, and the flag helpers of the
+"""`flotilla engine bench serve|offline|fair|gpu|lora`: the flags (argparse, and the flag helpers of the
 benchmark modules, which import no torch at module level); the benchmarks load inside the command
 functions. The root CLI attaches `configure` under `flotilla engine` when this distribution is installed."""
 
@@ -10,6 +10,7 @@ import argparse
 def configure(bench: argparse.ArgumentParser) -> None:
     """Fills `flotilla engine bench`: one subcommand per benchmark."""
     from flotilla.bench.engine.fair import add_bench_fair_args
+    from flotilla.bench.engine.lora import add_bench_lora_args
     from flotilla.bench.engine.quantization import add_quantization_report_args
     from flotilla.bench.engine.serve import add_bench_serve_args
     from flotilla.bench.engine.speculation import add_speculation_report_args
@@ -94,6 +95,15 @@ def configure(bench: argparse.ArgumentParser) -> None:
     add_quantization_report_args(offline)
     add_speculation_report_args(offline)
     offline.set_defaults(func=_bench_offline)
+    lora = kinds.add_parser(
+        "lora",
+        help="LoRA adapters: a mixed batch over 1, 4 and 8 adapters against the base alone, memory per "
+        "adapter, load to first token",
+        description="Output tok/s of one batch on the base model and spread over N adapters (alternating "
+        "rounds, ratios to the base), the memory per active adapter and the time from load to first token.",
+    )
+    add_bench_lora_args(lora)
+    lora.set_defaults(func=_bench_lora)
     fair = kinds.add_parser(
         "fair",
         help="two tenants past capacity, one 10x the other: quiet tenant's TTFT, token shares, fcfs vs fair",
@@ -118,6 +128,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     add_bench_gpu_args(gpu)
     gpu.set_defaults(func=_bench_gpu)
+
+
+def _bench_lora(args: argparse.Namespace) -> int:
+    from flotilla.bench.engine.lora import run_lora_bench
+
+    return run_lora_bench(args)
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
