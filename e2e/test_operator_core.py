@@ -78,6 +78,16 @@ def _condition(cluster, namespace, name, type_, status, timeout: float = 90):
     return wait_for(check, timeout, f"{name}: condition {type_}={status}")
 
 
+POOL = "inferencepools.inference.networking.k8s.io"  # the Gateway API Inference Extension's
+
+
+def _pool_entry(cluster: ClusterHandle, namespace: str, name: str) -> dict | None:
+    """The operator's entry in the InferencePool's status.parents, with its conditions by type."""
+    parents = ((_get(cluster, POOL, name, namespace) or {}).get("status") or {}).get("parents") or []
+    mine = [p for p in parents if p.get("controllerName") == "flotilla.dev/operator"]
+    return {**mine[0], "conditions": {c["type"]: c for c in mine[0]["conditions"]}} if mine else None
+
+
 def _pods(cluster: ClusterHandle, namespace: str, name: str) -> list[dict]:
     items = cluster.get_json("pods", "-n", namespace, "-l", f"flotilla.dev/inferenceservice={name}")["items"]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
@@ -183,12 +193,55 @@ def test_service_gets_owned_children_pods_and_status(cluster, operator, namespac
     command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--scheduling-policy") + 1] == "fair", command
     isvc = _get(cluster, "fisvc", "chat", namespace)
-    for kind in ("deployment", "service", "poddisruptionbudget"):
+    for kind in ("deployment", "service", "poddisruptionbudget", POOL):
         obj = wait_for(lambda kind=kind: _get(cluster, kind, "chat", namespace), 60, kind)
         (ref,) = obj["metadata"]["ownerReferences"]
         assert ref["uid"] == isvc["metadata"]["uid"] and ref["controller"] is True
         managers = {m["manager"] for m in obj["metadata"]["managedFields"] if m["operation"] == "Apply"}
         assert managers == {"flotilla"}
+
+    # The InferencePool, as the API server kept it under the standard's schema: the engine pods on the
+    # engine port, and Flotilla's picker.
+    pool = _get(cluster, POOL, "chat", namespace)["spec"]
+    assert pool["selector"] == {"matchLabels": {"flotilla.dev/inferenceservice": "chat"}}
+    assert pool["selector"] == dep["spec"]["selector"]
+    assert pool["targetPorts"] == [{"number": 8000}]
+    picker = pool["endpointPickerRef"]
+    assert (picker["kind"], picker["name"], picker["port"], picker["failureMode"]) == (
+        "Service",
+        "flotilla-gateway",
+        {"number": 9002},
+        "FailClose",
+    )
+    # Its status: Flotilla's gateway accepts it; the picker's Service is not in this namespace.
+    entry = wait_for(lambda: _pool_entry(cluster, namespace, "chat"), 60, "the pool's status entry")
+    assert entry["parentRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": "flotilla-gateway",
+        "namespace": OPERATOR_NS,
+    }
+    assert entry["conditions"]["Accepted"]["status"] == "True"
+    resolved = entry["conditions"]["ResolvedRefs"]
+    assert (resolved["status"], resolved["reason"]) == ("False", "InvalidExtensionRef"), resolved
+    # A Service of that name with the picker's port resolves the reference.
+    cluster.apply(
+        textwrap.dedent("""
+        apiVersion: v1
+        kind: Service
+        metadata: {name: flotilla-gateway}
+        spec: {ports: [{name: grpc, port: 9002}]}
+        """),
+        namespace,
+    )
+    wait_for(
+        lambda: (
+            (e := _pool_entry(cluster, namespace, "chat"))
+            and e["conditions"]["ResolvedRefs"]["status"] == "True"
+        ),
+        60,
+        "ResolvedRefs=True once the picker's Service exists",
+    )
 
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
@@ -297,14 +350,22 @@ def test_drift_on_children_is_corrected(cluster, operator, namespace, model_dir)
         60,
         "the deleted Service to be re-created",
     )
+    pool_uid = wait_for(lambda: _get(cluster, POOL, "steady", namespace), 60, "the pool")["metadata"]["uid"]
+    cluster.kubectl("delete", POOL, "steady", "-n", namespace)
+    wait_for(
+        lambda: (pool := _get(cluster, POOL, "steady", namespace)) and pool["metadata"]["uid"] != pool_uid,
+        60,
+        "the deleted InferencePool to be re-created",
+    )
 
 
 def test_deleting_the_service_removes_everything(cluster, operator, namespace, model_dir):
     cluster.apply(_isvc("gone", model_dir, replicas=2), namespace)
     wait_for(lambda: len(_pods(cluster, namespace, "gone")) == 2, 60, "2 pods")
     wait_for(lambda: _get(cluster, "poddisruptionbudget", "gone", namespace), 60, "the PDB")
+    wait_for(lambda: _get(cluster, POOL, "gone", namespace), 60, "the InferencePool")
     cluster.kubectl("delete", "fisvc", "gone", "-n", namespace)
-    for kind in ("deployment", "service", "poddisruptionbudget"):
+    for kind in ("deployment", "service", "poddisruptionbudget", POOL):
         wait_for(
             lambda kind=kind: _get(cluster, kind, "gone", namespace) is None,
             90,
@@ -536,6 +597,9 @@ def test_operator_identity_is_least_privilege(cluster, operator):
         ("get", "secrets", "no"),
         ("create", "pods", "no"),
         ("patch", "inferenceservices.flotilla.dev/status", "yes"),
+        ("patch", POOL, "yes"),
+        ("patch", f"{POOL}/status", "yes"),
+        ("delete", POOL, "no"),
     ]:
         result = cluster.kubectl("auth", "can-i", verb, resource, who, "-A", check=False)
         assert result.stdout.strip() == allowed, (verb, resource, result.stdout, result.stderr)

@@ -233,6 +233,12 @@ TENANT_LAST_METERED = "flotilla_tenant_last_metered_timestamp_seconds"  # {tenan
 
 # -- the gateway (flotilla.gateway): one OpenAI endpoint in front of every InferenceService ----------------
 GATEWAY_PORT = 8080
+GATEWAY_SERVICE = "flotilla-gateway"  # its Service's name (the chart's flotilla.gatewayName)
+# The gateway as the Gateway API Inference Extension's endpoint picker: every InferencePool the operator
+# keeps names, in spec.endpointPickerRef, the Service GATEWAY_SERVICE and this port, where the picker serves
+# Envoy's external processing (gRPC; 9002 is the port of GIE's reference picker). The picker itself is
+# later work (issue 29, part 2): until then nothing listens there (docs/inference-extension.md).
+PICKER_PORT = 9002
 # What the gateway reads of the operator's API (flotilla.operator.api.v1alpha1 uses the same names).
 API_GROUP = "flotilla.dev"
 API_VERSION = "v1alpha1"

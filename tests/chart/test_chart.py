@@ -310,3 +310,35 @@ def test_gateway_values_are_checked():
     assert bad.returncode != 0 and "routing" in bad.stderr
     off = render("--set", "gateway.enabled=false")
     assert not [d for d in off if d["metadata"]["name"] == "flotilla-gateway"]
+
+
+def test_the_inference_pool_crd_is_the_standards_and_can_be_left_out(default_docs):
+    from flotilla.operator.api import inference_extension as gie
+    from flotilla.operator.manifests.crds import GIE_VERSION, inference_pool_crd
+
+    crds = {d["metadata"]["name"]: d for d in by_kind(default_docs, "CustomResourceDefinition")}
+    installed, released = crds[gie.CRD_NAME], inference_pool_crd()
+    assert installed["spec"] == released["spec"]
+    assert installed["metadata"]["annotations"] == {**released["metadata"]["annotations"], **KEEP}
+    assert installed["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == GIE_VERSION
+    source = (CHART / "files" / "crds" / f"{gie.CRD_NAME}.yaml").read_text()
+    assert f"/blob/{GIE_VERSION}/" in source  # the source note travels with the chart's copy
+    without = render("--set", "inferenceExtension.installCRD=false")
+    names = {d["metadata"]["name"] for d in by_kind(without, "CustomResourceDefinition")}
+    assert names == set(crds) - {gie.CRD_NAME}
+
+
+def test_the_operator_keeps_pools_unless_told_not_to(default_docs):
+    assert not _parse(_operator_container(default_docs)).no_inference_pools
+    off = render("--set", "inferenceExtension.pools=false")
+    assert _parse(_operator_container(off)).no_inference_pools
+    bad = helm("template", "flotilla", str(CHART), "--set", "inferenceExtension.pool=true", check=False)
+    assert bad.returncode != 0
+
+
+def test_the_pools_picker_reference_names_the_gateways_service(default_docs):
+    # endpointPickerRef names contract.GATEWAY_SERVICE: the chart's gateway Service, in the namespace that
+    # the operator reports the pools' parent in (its own, --operator-namespace).
+    service = one(default_docs, "Service", contract.GATEWAY_SERVICE)
+    args = _parse(_operator_container(default_docs))
+    assert service["metadata"]["namespace"] == args.operator_namespace == "flotilla-system"

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import ValidationError
 
+from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import INFERENCE_SERVICE, TENANT, InferenceServiceSpec, TenantSpec
-from flotilla.operator.manifests.crds import crd, crd_files
+from flotilla.operator.manifests import crds as crds_module
+from flotilla.operator.manifests.crds import (
+    GIE_COMMIT,
+    GIE_HEADER,
+    GIE_PATH,
+    GIE_REPOSITORY,
+    GIE_VERSION,
+    crd,
+    crd_files,
+    inference_pool_crd_text,
+)
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 
@@ -189,3 +201,33 @@ def test_scale_to_zero_after_seconds():
         InferenceServiceSpec.model_validate(
             {**base, "autoscaling": {**base["autoscaling"], "scaleToZeroAfterSeconds": 5}}
         )
+
+
+# The digest of the InferencePool CRD as the pinned release ships it (manifests/gie/README.md says the same).
+GIE_SHA256 = "55e0dbf39c50c4bbdd60106493a4573df4bb44479f9ce46762f1af718883e5cd"
+
+
+def test_the_inference_pool_crd_is_the_pinned_release_unchanged():
+    text = inference_pool_crd_text()
+    assert hashlib.sha256(text.encode()).hexdigest() == GIE_SHA256, (
+        "not the release's file: see gie/README.md"
+    )
+    crd = yaml.safe_load(text)
+    assert crd["metadata"]["name"] == gie.CRD_NAME
+    assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == GIE_VERSION
+    assert (crd["spec"]["group"], crd["spec"]["names"]["kind"], crd["spec"]["names"]["plural"]) == (
+        gie.GROUP,
+        gie.KIND,
+        gie.PLURAL,
+    )
+    assert [v["name"] for v in crd["spec"]["versions"]] == [gie.VERSION]
+    readme = (Path(crds_module.__file__).parent / "gie" / "README.md").read_text()
+    for fact in (GIE_VERSION, GIE_COMMIT, GIE_PATH, GIE_SHA256):
+        assert fact in readme
+
+
+def test_crds_carry_the_inference_pool_crd_with_its_source():
+    text = crd_files()[f"{gie.CRD_NAME}.yaml"]
+    assert text == GIE_HEADER + inference_pool_crd_text()
+    for fact in (GIE_VERSION, GIE_COMMIT, GIE_PATH, GIE_REPOSITORY, "Apache License 2.0"):
+        assert fact in GIE_HEADER

@@ -78,10 +78,15 @@ def _plan(config: OperatorConfig):
 def test_the_plan_applies_the_secret_before_the_engines_only_with_the_setting():
     with_token = _plan(OperatorConfig(engine_token_master=MASTER))
     kinds = [c["kind"] for c in with_token.children]
-    assert kinds == ["Secret", "Deployment", "Service", "PodDisruptionBudget"]
+    assert kinds == ["Secret", "Deployment", "Service", "PodDisruptionBudget", "InferencePool"]
     assert with_token.children[0] == engine_token_secret("team-a", MASTER)
     without = _plan(OperatorConfig())
-    assert [c["kind"] for c in without.children] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert [c["kind"] for c in without.children] == [
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "InferencePool",
+    ]
 
 
 def test_the_master_is_not_in_the_config_repr():

@@ -235,7 +235,8 @@ def test_each_reconcile_exports_the_service_figures_it_wrote():
         "metadata": {"namespace": "ns-w", "name": "svc-w"},
         "spec": {"autoscaling": {"ttftP95TargetSeconds": 2}},
     }
-    _write(rt, obj, SimpleNamespace(children=[], status=status, events=[]), ("ns-w", "svc-w"), apply=[])  # type: ignore[arg-type]
+    result = SimpleNamespace(children=[], status=status, events=[], pool_status=None)
+    _write(rt, obj, result, ("ns-w", "svc-w"), apply=[])  # type: ignore[arg-type]
     assert patched == [("ns-w", "svc-w")]
     got = samples(SERVICES)
     svc = key(namespace="ns-w", service="svc-w")

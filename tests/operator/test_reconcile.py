@@ -42,7 +42,12 @@ def _conds(p):
 
 def test_valid_service_gets_children_and_holds_its_gpus():
     p = plan(_obj(SPEC), _world())
-    assert [c["kind"] for c in p.children] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert [c["kind"] for c in p.children] == [
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "InferencePool",
+    ]
     assert p.children[0]["spec"]["replicas"] == 2
     assert p.held == Held(("team-a", "chat"), "team-a", "h100", 2)
     assert _conds(p)["QuotaAdmitted"]["status"] == "True"

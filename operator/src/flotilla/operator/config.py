@@ -31,3 +31,9 @@ class OperatorConfig:
     # Secret flotilla.contract.ENGINE_TOKEN_SECRET holding engine_token(master, namespace), and engines get
     # ENV_INTERNAL_TOKEN from it. Unset: no Secret, no variable. Kept out of repr (and so out of logs).
     engine_token_master: str | None = field(default=None, repr=False)
+    # Whether each InferenceService gets an InferencePool (the Gateway API Inference Extension's, which
+    # must then be installed: crds/, the chart). Off with --no-inference-pools.
+    inference_pools: bool = True
+    # The namespace of Flotilla's gateway (the operator's own, --operator-namespace): the parent the
+    # operator reports InferencePool status for (desired/inference_pool.py).
+    gateway_namespace: str = "flotilla-system"

@@ -60,7 +60,7 @@ INVALID_TENANT = "InvalidTenant"  # the spec does not parse
 TENANT_CONFLICT = "TenantConflict"  # a namespace another Tenant claims, a price outside the quota
 
 # What started a reconcile. Declared up front so every series exists (at zero) from the first scrape.
-TRIGGERS = ("spec", "child", "nodes-changed", "tenant-changed", "quota-freed")
+TRIGGERS = ("spec", "child", "nodes-changed", "tenant-changed", "quota-freed", "picker-changed")
 for _trigger in TRIGGERS:
     RECONCILE_DURATION.labels(_trigger)
     RECONCILE_ERRORS.labels(_trigger)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
+from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, VERSION
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.naming import FIELD_MANAGER
@@ -50,6 +51,7 @@ class Kube:
             "Service": self.core.patch_namespaced_service,
             "PodDisruptionBudget": self.policy.patch_namespaced_pod_disruption_budget,
             "Secret": self.core.patch_namespaced_secret,
+            gie.KIND: self._patch_inference_pool,
         }[kind]
         API_CALLS.labels(verb="apply", resource=kind).inc()
         response = api(
@@ -62,6 +64,11 @@ class Kube:
             _preload_content=False,
         )
         _drain(response)
+
+    def _patch_inference_pool(self, name: str, namespace: str, body: dict, **kwargs):
+        return self.custom.patch_namespaced_custom_object(
+            gie.GROUP, gie.VERSION, namespace, gie.PLURAL, name, body, **kwargs
+        )
 
     def ensure_peering(self, name: str) -> bool:
         """Creates the ClusterKopfPeering `name` if kopf's peering CRD is installed and the object is not.
@@ -93,6 +100,23 @@ class Kube:
             INFERENCE_SERVICE.plural,
             name,
             {"status": status},
+            _content_type=MERGE,
+            _preload_content=False,
+        )
+        _drain(response)
+
+    def patch_pool_status(self, namespace: str, name: str, resource_version: str, status: dict) -> None:
+        """An InferencePool's status (desired/inference_pool.py). status.parents is one atomic list that
+        every gateway controller of the pool writes, so the patch carries the resourceVersion the list was
+        read at: the API server refuses it (409) when another writer came first."""
+        API_CALLS.labels(verb="patch", resource=f"{gie.PLURAL}/status").inc()
+        response = self.custom.patch_namespaced_custom_object_status(
+            gie.GROUP,
+            gie.VERSION,
+            namespace,
+            gie.PLURAL,
+            name,
+            {"metadata": {"resourceVersion": resource_version}, "status": status},
             _content_type=MERGE,
             _preload_content=False,
         )

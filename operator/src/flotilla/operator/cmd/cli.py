@@ -71,6 +71,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not check file:// model paths on this machine (a real cluster's nodes have their own disks)",
     )
+    run.add_argument(
+        "--no-inference-pools",
+        action="store_true",
+        help="keep no InferencePool per InferenceService (for a cluster without the Gateway API Inference "
+        "Extension's CRD; docs/inference-extension.md)",
+    )
     peering = run.add_mutually_exclusive_group()
     peering.add_argument("--peering", help="kopf peering object name (needs the kopf.dev peering CRDs)")
     peering.add_argument("--standalone", action="store_true", help="no peering (the default when no CRD)")
@@ -174,6 +180,9 @@ def _run(args: argparse.Namespace) -> int:
         prometheus_url=args.prometheus_url,
         check_local_model_paths=not args.no_model_path_check,
         engine_token_master=read_engine_token(args.engine_token_file),
+        inference_pools=not args.no_inference_pools,
+        # Flotilla's gateway runs beside the operator (the chart's namespace).
+        gateway_namespace=args.operator_namespace,
     )
     return run_operator(
         config,

@@ -1,5 +1,6 @@
-"""Events of the children the operator owns (Deployments, Services, PodDisruptionBudgets, pods):
-correct drift by re-applying what changed, and refresh the owner's status."""
+"""Events of the children the operator owns (Deployments, Services, PodDisruptionBudgets, InferencePools,
+pods): correct drift by re-applying what changed, and refresh the owner's status. And of the Services the
+InferencePools' endpointPickerRef names: their ports decide the pools' ResolvedRefs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import logging
 import kopf
 
 from flotilla.operator.controllers import indexes
-from flotilla.operator.controllers.indexes import MANAGED, index_one, plain
-from flotilla.operator.controllers.sync import correct_drift, going_away, refresh_status
+from flotilla.operator.controllers.indexes import MANAGED, POOLS, index_one, is_picker_service, plain
+from flotilla.operator.controllers.state import Runtime
+from flotilla.operator.controllers.sync import correct_drift, going_away, refresh_services, refresh_status
+from flotilla.operator.desired.inference_pool import picker_ports
 from flotilla.operator.naming import SERVICE_LABEL
 
 log = logging.getLogger("flotilla.operator")
@@ -28,6 +31,30 @@ def k8s_service_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
 def pdb_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, **kwargs) -> None:
     _child_event(event, namespace, labels, memo, kwargs, check_drift=True)
+
+
+@kopf.on.event(*POOLS, labels=MANAGED)
+def inference_pool_event(event: dict, namespace: str, labels: dict, memo: kopf.Memo, **kwargs) -> None:
+    # Drift, and the pool's status: the operator's parent entry once the pool exists, and again when
+    # another controller's write replaced the list.
+    _child_event(event, namespace, labels, memo, kwargs, check_drift=True)
+
+
+@kopf.on.event("", "v1", "services", when=is_picker_service)
+def picker_service_event(event: dict, namespace: str, memo: kopf.Memo, **kwargs) -> None:
+    """The Service the pools' endpointPickerRef names came, went or changed its ports: the pools of the
+    namespace's services say so in ResolvedRefs."""
+    rt: Runtime = memo.runtime
+    body = None if event.get("type") == "DELETED" else event.get("object")
+    ports = picker_ports(body)
+    if namespace in rt.picker_ports and rt.picker_ports[namespace] == ports:
+        return
+    rt.picker_ports[namespace] = ports
+
+    def in_namespace(obj: dict) -> bool:
+        return obj["metadata"]["namespace"] == namespace and not obj["metadata"].get("deletionTimestamp")
+
+    refresh_services(rt, indexes.of(kwargs), in_namespace, "picker-changed")
 
 
 @kopf.on.event("", "v1", "pods", labels=MANAGED)

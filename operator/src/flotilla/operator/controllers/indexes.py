@@ -1,6 +1,7 @@
 """In-memory indexes, filled by kopf from watches before any handler runs, so that a reconcile reads no
-API: nodes' GPU types, Tenants, namespaces' labels, InferenceServices, and the Deployments and pods the
-operator owns. Also the readers that turn an index into what the pure code wants."""
+API: nodes' GPU types, Tenants, namespaces' labels, InferenceServices, the Deployments, pods and
+InferencePools the operator owns, and the Services the pools' endpointPickerRef names. Also the readers
+that turn an index into what the pure code wants."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 
 import kopf
 
+from flotilla.contract import GATEWAY_SERVICE
+from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
 from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL
 
@@ -15,7 +18,18 @@ log = logging.getLogger("flotilla.operator")
 
 ISVC = (GROUP, VERSION, INFERENCE_SERVICE.plural)
 MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
-NAMES = ("gpu_nodes", "tenants", "namespace_labels", "services", "deployments", "pods", "gpu_pods")
+POOLS = (gie.GROUP, gie.VERSION, gie.PLURAL)
+NAMES = (
+    "gpu_nodes",
+    "tenants",
+    "namespace_labels",
+    "services",
+    "deployments",
+    "pods",
+    "gpu_pods",
+    "inference_pools",
+    "picker_services",
+)
 
 
 @kopf.index("", "v1", "nodes")
@@ -53,6 +67,25 @@ def pods(namespace: str, labels: dict, body: kopf.Body, **_) -> dict:
         return {}
     meta = {k: body.meta[k] for k in ("name", "deletionTimestamp") if body.meta.get(k)}
     return {(namespace, owner): {"metadata": meta, "status": plain(body.get("status") or {})}}
+
+
+@kopf.index(*POOLS, labels=MANAGED)
+def inference_pools(namespace: str, labels: dict, body: kopf.Body, **_) -> dict:
+    """Watched only where the cluster serves the InferencePool CRD; without it, this stays empty."""
+    owner = labels.get(SERVICE_LABEL)
+    return {(namespace, owner): plain(body)} if owner else {}
+
+
+def is_picker_service(name: str, **_) -> bool:
+    """The Service the InferencePools' endpointPickerRef names (the reference is namespace-local: a
+    Service of this name in each pool's namespace)."""
+    return name == GATEWAY_SERVICE
+
+
+@kopf.index("", "v1", "services", when=is_picker_service)
+def picker_services(namespace: str, spec: dict, **_) -> dict:
+    ports = [{"port": p.get("port")} for p in spec.get("ports") or []]
+    return {namespace: {"spec": {"ports": ports}}}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ class Runtime:
     gpu_types: frozenset[str] = frozenset()
     namespace_labels: dict[str, dict] = field(default_factory=dict)  # as last seen, to spot label changes
     tenant_weights: dict[str, float] = field(default_factory=dict)  # schedulingWeight as last seen
+    # Per namespace, the ports of the Service InferencePools' endpointPickerRef names, as last seen (None:
+    # there is none), to spot the changes that alter the pools' ResolvedRefs.
+    picker_ports: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
     backstop_limits: dict[str, int] = field(default_factory=dict)  # namespace -> GPU limit last applied
     # Each autoscaled service's daemon waits on its event between decisions; a demand sets it (autoscaling.py).
     autoscaler_wake: dict[Key, asyncio.Event] = field(default_factory=dict)

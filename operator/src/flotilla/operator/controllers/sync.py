@@ -6,12 +6,17 @@ that reconciles goes through one of these, each saying which children the event 
 - `correct_drift`: one child changed or vanished: re-apply it if it no longer matches the plan;
 - `refresh_status`: something status reads changed (a pod): apply nothing, write status;
 - `retry_services`: the world changed (nodes, namespaces, Tenants, freed quota): for each service it may
-  unblock, re-apply the Deployment if it no longer matches (it carries what such a change can alter).
+  unblock, re-apply the Deployment if it no longer matches (it carries what such a change can alter);
+- `refresh_services`: something the status of several services reads changed (the Service their
+  InferencePools' endpointPickerRef names): write their status, apply nothing.
+
+Each also writes the service's InferencePool status when the plan has one to write.
 
 Applying is idempotent; choosing the children only saves calls."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -21,6 +26,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from flotilla import timestamps
+from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.clients.kube import api_error_message
 from flotilla.operator.controllers import backstop, failpoints
 from flotilla.operator.controllers.indexes import index_one, labels_by_namespace, tenant_specs
@@ -130,8 +136,52 @@ def retry_services(rt: Runtime, idx: dict, wanted: Callable[[dict, dict], bool],
                     )
 
 
+def refresh_services(rt: Runtime, idx: dict, wanted: Callable[[dict], bool], trigger: str) -> None:
+    """Refresh the status of every service for which wanted(obj) holds; apply nothing."""
+    for store in list(idx["services"].values()):
+        for obj in store:
+            if wanted(obj):
+                try:
+                    refresh_status(rt, obj, idx, trigger)
+                except Exception:
+                    log.exception(
+                        "refreshing %s/%s failed", obj["metadata"]["namespace"], obj["metadata"]["name"]
+                    )
+
+
 def conditions(obj: dict) -> dict[str, str]:
     return {c.get("type"): c.get("status") for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+def not_served(exc: ApiException) -> bool:
+    """A 404 because the API has no such resource (its CRD is not installed), not because the object's
+    namespace is missing: the latter's Status names the namespace in its details."""
+    if exc.status != 404:
+        return False
+    try:
+        details = json.loads(exc.body or "{}").get("details") or {}
+    except (TypeError, ValueError):
+        return True  # a plain "404 page not found": no handler for the path at all
+    return details.get("kind") != "namespaces"
+
+
+def _write_pool_status(rt: Runtime, result: Plan) -> None:
+    """The operator's parent entry in the InferencePool's status. A conflict (another writer came first)
+    or a pool that went is left to the pool's own watch event, which plans again from what it sees."""
+    write = result.pool_status
+    assert write is not None
+    try:
+        rt.kube.patch_pool_status(write.namespace, write.name, write.resource_version, write.status)
+    except ApiException as exc:
+        if exc.status in (404, 409):
+            log.debug("InferencePool %s/%s status not written: %s", write.namespace, write.name, exc.status)
+        else:
+            log.warning(
+                "InferencePool %s/%s status not written: %s",
+                write.namespace,
+                write.name,
+                api_error_message(exc),
+            )
 
 
 def going_away(exc: Exception) -> bool:
@@ -180,6 +230,8 @@ def _plan(rt: Runtime, obj: dict, key: Key, idx: dict) -> Plan:
             deployment=index_one(idx["deployments"], key),
             pods=list(idx["pods"].get(key, [])),
             path_exists=os.path.isdir if rt.config.check_local_model_paths else None,
+            inference_pool=index_one(idx["inference_pools"], key),
+            picker_service=index_one(idx["picker_services"], key[0]),
         )
         result = plan(obj, world)
         if result.held is not None:
@@ -196,6 +248,12 @@ def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[di
             rt.kube.apply(child)
             refused.pop(child["kind"], None)
         except ApiException as exc:
+            if child["kind"] == gie.KIND and not_served(exc):
+                refused[child["kind"]] = (
+                    f"{gie.KIND} {key[1]}: the API serves no {gie.CRD_NAME}: install the Gateway API "
+                    "Inference Extension's CRD (crds/, the chart) or run the operator with --no-inference-pools"
+                )
+                continue
             if exc.status == 404 or going_away(exc):
                 raise
             refused[child["kind"]] = f"{child['kind']} {key[1]}: {api_error_message(exc)}"
@@ -212,6 +270,8 @@ def _write(rt: Runtime, obj: dict, result: Plan, key: Key, *, apply: Iterable[di
     if status_changed(current, status):
         rt.kube.patch_service_status(key[0], key[1], status)
         rt.written_status[key] = status
+    if result.pool_status is not None:
+        _write_pool_status(rt, result)
     SERVICES.update(key[0], key[1], service_figures(obj.get("spec") or {}, status))
     for event in events:
         kopf.event(obj, type=event.type, reason=event.reason, message=event.message[:1000])

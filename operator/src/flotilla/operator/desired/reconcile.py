@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from flotilla.contract import SCHEDULING_FAIR
 from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.config import OperatorConfig
+from flotilla.operator.desired.inference_pool import PoolStatus, inference_pool, pool_status
 from flotilla.operator.desired.status import (
     DEGRADED,
     QUOTA_ADMITTED,
@@ -49,6 +50,9 @@ class World:
     pods: list[dict] = field(default_factory=list)
     namespace_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     path_exists: Callable[[str], bool] | None = None
+    inference_pool: dict | None = None  # the observed child InferencePool
+    # The Service the pools' endpointPickerRef names, as observed in the service's namespace (or None).
+    picker_service: dict | None = None
 
 
 @dataclass
@@ -67,6 +71,8 @@ class Plan:
     events: list[Event]
     held: Held | None  # what this service holds once the plan is carried out
     problems: list[Problem]
+    # The InferencePool's status to write (the operator's parent entry), when the observed pool lacks it.
+    pool_status: PoolStatus | None = None
 
 
 def owner_of(obj: dict) -> Owner:
@@ -85,6 +91,7 @@ def plan(obj: dict, world: World) -> Plan:
     quota: QuotaDecision | None = None
     desired_children: list[dict] = []
     held: Held | None = None
+    pool_write: PoolStatus | None = None
     requested = desired = current
     gpus = 0
     if spec is not None and not problems:
@@ -115,6 +122,12 @@ def plan(obj: dict, world: World) -> Plan:
             *shared_objects(owner.namespace, world.config),
             *children(owner, spec, decision, world.config),
         ]
+        if world.config.inference_pools:
+            desired_children.append(inference_pool(owner, decision))
+            if world.inference_pool is not None:
+                pool_write = pool_status(
+                    owner, world.inference_pool, world.picker_service, world.config, world.now
+                )
         key = (owner.namespace, owner.name)
         held = Held(key, tenant or NO_TENANT, spec.resources.gpu_type, desired * gpus)
     elif spec is not None:
@@ -139,6 +152,7 @@ def plan(obj: dict, world: World) -> Plan:
         events=_events(previous, status),
         held=held,
         problems=problems,
+        pool_status=pool_write,
     )
 
 

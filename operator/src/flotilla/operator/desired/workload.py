@@ -289,7 +289,8 @@ def pod_template(
     }
 
 
-def _metadata(owner: Owner, decision: Decision) -> dict:
+def child_metadata(owner: Owner, decision: Decision) -> dict:
+    """Name, namespace, labels and the owner reference every child of a service carries."""
     return {
         "name": owner.name,
         "namespace": owner.namespace,
@@ -302,7 +303,7 @@ def deployment(owner: Owner, spec: InferenceServiceSpec, decision: Decision, con
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, decision),
+        "metadata": child_metadata(owner, decision),
         "spec": {
             "replicas": decision.replicas,
             "selector": {"matchLabels": selector_labels(owner.name)},
@@ -320,7 +321,7 @@ def service(owner: Owner, decision: Decision) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, decision),
+        "metadata": child_metadata(owner, decision),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(owner.name),
@@ -334,7 +335,7 @@ def pod_disruption_budget(owner: Owner, decision: Decision) -> dict:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner, decision),
+        "metadata": child_metadata(owner, decision),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name)}},
     }
 
@@ -342,7 +343,8 @@ def pod_disruption_budget(owner: Owner, decision: Decision) -> dict:
 def children(
     owner: Owner, spec: InferenceServiceSpec, decision: Decision, config: OperatorConfig
 ) -> list[dict]:
-    """Everything one InferenceService owns, in the order to apply it."""
+    """The workload one InferenceService owns, in the order to apply it (reconcile.plan adds its
+    InferencePool after it: desired/inference_pool.py)."""
     return [
         deployment(owner, spec, decision, config),
         service(owner, decision),

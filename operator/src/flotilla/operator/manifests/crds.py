@@ -1,4 +1,5 @@
-"""CustomResourceDefinitions generated from the pydantic models in api.py.
+"""CustomResourceDefinitions generated from the pydantic models in api.py, and the one CRD the operator
+installs but does not define: the Gateway API Inference Extension's InferencePool, as released.
 
 Pydantic emits JSON Schema (2020-12); Kubernetes wants a *structural* OpenAPI v3.0 schema: no $ref,
 no `null` types, boolean exclusive bounds, no titles. `openapi_schema` translates one into the other.
@@ -7,11 +8,13 @@ no `null` types, boolean exclusive bounds, no titles. `openapi_schema` translate
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, KINDS, TENANT, VERSION, Kind
 
 # Kubernetes forbids additionalProperties next to properties; unknown fields are pruned, and
@@ -200,12 +203,41 @@ def kopf_peering_crd() -> dict[str, Any]:
     }
 
 
+# The InferencePool CRD (inference.networking.k8s.io/v1) of the Gateway API Inference Extension, pinned to
+# one release and installed byte for byte as released: the standard's schema, not ours to generate. Kept in
+# the package (manifests/gie/, with a README naming the same source), so an installed operator needs no
+# checkout. A new release: copy its file over, change these four lines, run `flotilla operator crds` and
+# `chart`; tests/operator/test_crds.py pins the file's digest.
+GIE_VERSION = "v1.6.0"
+GIE_REPOSITORY = "https://github.com/kubernetes-sigs/gateway-api-inference-extension"
+GIE_COMMIT = "992e5c292afb248801ce8d9234eb5b9d28eea231"  # what the tag v1.6.0 points to
+GIE_PATH = "config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
+GIE_FILE = "gie/inference.networking.k8s.io_inferencepools.yaml"  # in this package
+GIE_HEADER = (
+    f"# The Gateway API Inference Extension's InferencePool CRD ({gie.API_VERSION}), release {GIE_VERSION},\n"
+    f"# as released: {GIE_REPOSITORY}/blob/{GIE_VERSION}/{GIE_PATH}\n"
+    f"# (commit {GIE_COMMIT}). Copyright The Kubernetes Authors, Apache License 2.0.\n"
+    "# Its schema is unchanged: `flotilla operator crds` and `chart` copy operator/src/flotilla/operator/\n"
+    "# manifests/gie/ (the chart adds only its keep annotation).\n"
+)
+
+
+def inference_pool_crd_text() -> str:
+    """The InferencePool CRD exactly as the pinned release ships it."""
+    return resources.files(__package__).joinpath(GIE_FILE).read_text(encoding="utf-8")
+
+
+def inference_pool_crd() -> dict[str, Any]:
+    return yaml.safe_load(inference_pool_crd_text())
+
+
 def crd_files() -> dict[str, str]:
-    """File name -> YAML text, for every kind (and kopf's peering CRD)."""
+    """File name -> YAML text, for every kind, kopf's peering CRD and the InferencePool's."""
     files = {f"{kind.crd_name}.yaml": render(kind) for kind in KINDS}
     files[f"{PEERING_CRD_NAME}.yaml"] = HEADER + yaml.safe_dump(
         kopf_peering_crd(), sort_keys=False, width=110
     )
+    files[f"{gie.CRD_NAME}.yaml"] = GIE_HEADER + inference_pool_crd_text()
     return files
 
 

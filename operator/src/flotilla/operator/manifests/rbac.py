@@ -9,6 +9,7 @@ from __future__ import annotations
 import yaml
 
 from flotilla.contract import ENGINE_TOKEN_SECRET
+from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT
 from flotilla.operator.tenancy import rbac as tenant_rbac
 
@@ -38,6 +39,18 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
     ("apps", ["deployments"], ["get", "list", "watch", "create", "patch"], "engine pods; drift correction"),
     ("", ["services"], ["get", "list", "watch", "create", "patch"], "the service's stable address"),
     ("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch"], "drain safety"),
+    (
+        gie.GROUP,
+        [gie.PLURAL],
+        ["get", "list", "watch", "create", "patch"],
+        "one InferencePool per service, for Gateway API Inference Extension gateways; drift correction",
+    ),
+    (
+        gie.GROUP,
+        [f"{gie.PLURAL}/status"],
+        ["get", "patch"],
+        "the pools' status.parents entry for Flotilla's gateway",
+    ),
     (
         "",
         ["pods"],

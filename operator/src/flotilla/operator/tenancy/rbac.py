@@ -2,7 +2,8 @@
 
 From spec.members the operator derives, for each Tenant:
 - in each of its namespaces, a RoleBinding of the shared ClusterRole `flotilla-tenant-member`
-  (InferenceServices: all verbs; pods and their logs, events: read). Members get no verb on pods
+  (InferenceServices: all verbs; pods and their logs, events, the InferencePools the operator keeps for
+  their services: read). Members get no verb on pods
   beyond reading, so GPU pods created directly cannot go around the quota;
 - a ClusterRole and ClusterRoleBinding that let the members `get` their own Tenant, and nothing else
   of it (no update: members cannot edit their quota);
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import API_VERSION, GROUP, INFERENCE_SERVICE, TENANT, TenantSpec
 from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
 from flotilla.operator.tenancy.backstop import namespace_limits, resource_quota
@@ -33,6 +35,8 @@ MEMBER_RULES = [
     {"apiGroups": [GROUP], "resources": [f"{INFERENCE_SERVICE.plural}/status"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["pods", "pods/log", "events"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["resourcequotas"], "verbs": ["get", "list"]},
+    # The pools their HTTPRoutes reference; the operator owns them, so members may only read them.
+    {"apiGroups": [gie.GROUP], "resources": [gie.PLURAL], "verbs": ["get", "list", "watch"]},
 ]
 
 
