@@ -9,7 +9,10 @@ from pydantic import BaseModel
 from flotilla.engine.server import protocol as api
 
 ERRORS = {code: {"model": api.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
-BODIES = (api.CompletionRequest, api.ChatCompletionRequest, api.TokenizeRequest, api.DetokenizeRequest)
+# The LoRA routes also answer 409 (an adapter in use).
+LORA_ERRORS = ERRORS | {409: {"model": api.ErrorResponse}}
+BODIES = (api.CompletionRequest, api.ChatCompletionRequest, api.TokenizeRequest, api.DetokenizeRequest,
+          api.LoadLoRAAdapterRequest, api.UnloadLoRAAdapterRequest)  # fmt: skip
 
 
 def json_body(model: type[BaseModel]) -> dict:

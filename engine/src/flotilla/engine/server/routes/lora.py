@@ -13,12 +13,12 @@ from flotilla.engine.lora.errors import LoRAError
 from flotilla.engine.server import protocol as api
 from flotilla.engine.server.errors import parse_json_body
 from flotilla.engine.server.gate import Gate, get_gate, require_api_key
-from flotilla.engine.server.openapi import ERRORS, json_body
+from flotilla.engine.server.openapi import LORA_ERRORS, json_body
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/load_lora_adapter", responses=ERRORS, response_class=PlainTextResponse,
+@router.post("/v1/load_lora_adapter", responses=LORA_ERRORS, response_class=PlainTextResponse,
              openapi_extra=json_body(api.LoadLoRAAdapterRequest))  # fmt: skip
 async def load_lora_adapter(request: Request, gate: Gate = Depends(get_gate)) -> PlainTextResponse:
     body = await parse_json_body(request, api.LoadLoRAAdapterRequest, gate.settings.max_body_bytes)
@@ -33,7 +33,7 @@ async def load_lora_adapter(request: Request, gate: Gate = Depends(get_gate)) ->
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", responses=ERRORS, response_class=PlainTextResponse,
+@router.post("/v1/unload_lora_adapter", responses=LORA_ERRORS, response_class=PlainTextResponse,
              openapi_extra=json_body(api.UnloadLoRAAdapterRequest))  # fmt: skip
 async def unload_lora_adapter(request: Request, gate: Gate = Depends(get_gate)) -> PlainTextResponse:
     body = await parse_json_body(request, api.UnloadLoRAAdapterRequest, gate.settings.max_body_bytes)
