@@ -2,7 +2,8 @@
 vLLM's LLM.generate on the same model folder, the same token-id prompts and output lengths (greedy,
 ignore_eos), the same cores, batch limits, KV budget and prefix caching. Each system runs in a process of its
 own (offline_peer.py), loaded once; then `--rounds` rounds, the order alternating, each running the whole
-workload on both. Reports output tok/s per round, Flotilla/vLLM per round and its median, load times and
+workload on both (new prompts each round; before each run, the harness waits until both systems' processes
+are idle: vLLM's worker spins its OpenMP threads for seconds after a batch). Reports output tok/s per round, Flotilla/vLLM per round and its median, load times and
 greedy agreement; prints them, writes --json and --png. Asserts nothing."""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.bench.engine import compare_report, offline_peer, vllm_peer
-from flotilla.bench.engine.offline import make_workload, parse_range
-from flotilla.bench.engine.peer_procs import Peer, PeerError, progress
+from flotilla.bench.engine.offline import Workload, make_workload, parse_range
+from flotilla.bench.engine.peer_procs import OtherLoad, Peer, PeerError, progress
 
 COMMAND = "flotilla engine bench offline"
 LOAD_TIMEOUT_S = 1800.0  # vLLM compiles the model as it loads: minutes on two cores
@@ -55,6 +56,17 @@ def peer_argv(system: str, vllm_python: str, job_file: Path) -> list[str]:
     return [sys.executable, "-m", offline_peer.__name__, str(job_file)]
 
 
+def workloads(args: argparse.Namespace, vocab: int) -> list[Workload]:
+    """The warm-up's workload, then each round's: the same sizes and length ranges, new prompts each time
+    (seeded by --seed and the round), so that no round finds the previous one's prompts in either
+    system's prefix cache. Both systems run the same prompts in a round."""
+    input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
+    return [
+        make_workload(args.num_prompts, input_len, output_len, vocab, args.seed + 1000 * k)
+        for k in range(args.rounds + 1)
+    ]
+
+
 def run_compare_offline(args: argparse.Namespace) -> int:
     try:
         vllm_python = vllm_peer.check_vllm_python(args.compare, args.vllm_python)
@@ -62,7 +74,7 @@ def run_compare_offline(args: argparse.Namespace) -> int:
         if args.device not in ("auto", "cpu"):
             raise vllm_peer.CompareError("--compare vllm compares vLLM's CPU backend: --device must be cpu")
         orders = compare_report.round_orders(args.rounds)
-        input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
+        parse_range(args.input_len), parse_range(args.output_len)  # a bad range fails here, before any load
         settings = vllm_peer.namespace_settings(
             args, args.model, resolve_dtype(args.dtype, args.model), vllm_peer.cpus_for(args.threads)
         )
@@ -70,7 +82,7 @@ def run_compare_offline(args: argparse.Namespace) -> int:
         print(f"{COMMAND}: {exc}", file=sys.stderr)
         return 2
     vocab = json.loads((Path(settings.model) / "config.json").read_text())["vocab_size"]
-    work = make_workload(args.num_prompts, input_len, output_len, vocab, args.seed)
+    works = workloads(args, vocab)
     tcmalloc = vllm_peer.find_tcmalloc(vllm_python)
     envs = {"flotilla": dict(os.environ), "vllm": vllm_peer.vllm_env(os.environ, settings, tcmalloc)}
     workdir = Path(tempfile.mkdtemp(prefix="flotilla-vs-vllm-"))
@@ -80,30 +92,29 @@ def run_compare_offline(args: argparse.Namespace) -> int:
         versions = vllm_versions(vllm_python, envs["vllm"])
         progress(f"vllm: {versions} (vLLM, torch); {args.num_prompts} prompts, input {args.input_len}, "
                  f"output {args.output_len}, {args.rounds} rounds, CPUs {list(settings.cpus)}")  # fmt: skip
-        loads: dict[str, dict[str, Any]] = {}
+        loads = {}
         for system in compare_report.SYSTEMS:  # one at a time: a load is not measured beside another
             job = {"system": system, "settings": {**vars(settings), "cpus": list(settings.cpus)},
-                   "prompts": work.prompts, "output_lens": work.output_lens}  # fmt: skip
+                   "workloads": [vars(w) for w in works]}  # fmt: skip
             job_file = workdir / f"{system}-job.json"
             job_file.write_text(json.dumps(job))
-            peer = Peer(system, peer_argv(system, vllm_python, job_file), workdir / f"{system}.log",
-                        envs[system], settings.cpus)  # fmt: skip
-            peers[system] = peer.start()
-            progress(f"{system}: loading {Path(args.model).name} ...")
-            ready = peer.receive("loading", LOAD_TIMEOUT_S)
-            ready["ready_s"] = ready_s = time.perf_counter() - peer.started
-            loads[system] = ready
-            progress(f"{system}: ready in {ready_s:.1f} s (load {ready['load_s']:.1f} s)")
+            peers[system] = Peer(system, peer_argv(system, vllm_python, job_file), workdir / f"{system}.log",
+                                 envs[system], settings.cpus).start()  # fmt: skip
+            progress(f"{system}: loading {Path(settings.model).name} ...")
+            loads[system] = ready = peers[system].receive("loading", LOAD_TIMEOUT_S)
+            ready["ready_s"] = time.perf_counter() - peers[system].started
+            progress(f"{system}: ready in {ready['ready_s']:.1f} s (load {ready['load_s']:.1f} s)")
+        for system in compare_report.SYSTEMS:
+            progress(f"warm-up: {system} generating {args.num_prompts} requests (not measured) ...")
+            generate(peers, system, 0)
         rounds = []
         for number, order in enumerate(orders, 1):
-            measured: dict[str, Any] = {"order": list(order)}
+            measured: dict[str, Any] = {"order": list(order), "output_tokens": works[number].output_tokens}
             for system in order:
                 progress(f"round {number}/{len(orders)}: {system} generating {args.num_prompts} requests ...")
-                peers[system].send({"cmd": "run"})
-                ran = peers[system].receive("generating", RUN_TIMEOUT_S)
-                ran["tokens_per_s"] = ran["output_tokens"] / ran["seconds"]
-                measured[system] = ran
-                progress(f"round {number}: {system} {ran['tokens_per_s']:.1f} output tok/s")
+                measured[system] = ran = generate(peers, system, number)
+                progress(f"round {number}: {system} {ran['tokens_per_s']:.1f} output tok/s; other work on "
+                         f"the machine took {ran['other_load']['share']:.0%} of the cores meanwhile")  # fmt: skip
             rounds.append(measured)
     except PeerError as exc:
         print(f"{COMMAND}: {exc}", file=sys.stderr)
@@ -112,7 +123,7 @@ def run_compare_offline(args: argparse.Namespace) -> int:
     finally:
         for peer in peers.values():
             peer.quit()
-    report = build_report(args, settings, work, versions, tcmalloc, loads, rounds)
+    report = build_report(args, settings, versions, tcmalloc, loads, rounds)
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
@@ -126,21 +137,39 @@ def run_compare_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_report(args, settings, work, versions: str, tcmalloc, loads, rounds) -> dict[str, Any]:
-    """The report: the workload, what each system was given, its load, its rounds and the comparison."""
-    tokens = {s: rounds[0][s].pop("token_ids") for s in compare_report.SYSTEMS}
+def generate(peers: dict[str, Peer], system: str, workload: int) -> dict[str, Any]:
+    """One run of a workload by one system, once both systems' processes are idle (neither measures
+    beside the other's leftover work)."""
+    waited = sum(p.wait_quiet() for p in peers.values())
+    peer = peers[system]
+    with OtherLoad(peers.values()) as load:
+        peer.send({"cmd": "run", "workload": workload})
+        ran = peer.receive("generating", RUN_TIMEOUT_S)
+    return {
+        "seconds": ran["seconds"],
+        "output_tokens": ran["output_tokens"],
+        "tokens_per_s": ran["output_tokens"] / ran["seconds"],
+        "token_ids": ran["token_ids"],
+        "waited_for_quiet_s": waited,
+        "other_load": {"cpu_s": load.cpu_s, "share": load.share},
+    }
+
+
+def build_report(args, settings, versions: str, tcmalloc, loads, rounds) -> dict[str, Any]:
+    """The report: the workload, what each system was given, its load, its rounds and the comparison.
+    Greedy agreement is over every measured round's requests."""
+    tokens: dict[str, list[list[int]]] = {s: [] for s in compare_report.SYSTEMS}
     for r in rounds:
         for s in compare_report.SYSTEMS:
-            r[s].pop("token_ids", None)
+            tokens[s] += r[s].pop("token_ids")
     rates = {s: [r[s]["tokens_per_s"] for r in rounds] for s in compare_report.SYSTEMS}
     vllm_version, _, vllm_torch = versions.partition(" ")
     return {
         "comparison": "offline",
         "model": settings.model,
-        "num_prompts": len(work.prompts),
+        "num_prompts": args.num_prompts,
         "input_len": list(parse_range(args.input_len)),
         "output_len": list(parse_range(args.output_len)),
-        "output_tokens": work.output_tokens,
         "rounds": rounds,
         "fairness": vllm_peer.fairness(settings, tcmalloc),
         "systems": {
@@ -148,7 +177,7 @@ def build_report(args, settings, work, versions: str, tcmalloc, loads, rounds) -
             "vllm": {**loads["vllm"], "engine": "LLM.generate", "version": vllm_version, "torch": vllm_torch},
         },
         "output_tok_s": rates,
-        "ratio": {**compare_report.ratios(rates["flotilla"], rates["vllm"])},
+        "ratio": compare_report.ratios(rates["flotilla"], rates["vllm"]),
         "greedy_agreement": compare_report.greedy_agreement(tokens["flotilla"], tokens["vllm"]),
     }
 
@@ -156,8 +185,8 @@ def build_report(args, settings, work, versions: str, tcmalloc, loads, rounds) -
 def print_report(r: dict[str, Any]) -> None:
     f = r["fairness"]
     print(f"flotilla vs vLLM {r['systems']['vllm']['version']}, offline: {r['model']}")
-    print(f"  {r['num_prompts']} prompts, input {r['input_len']}, output {r['output_len']} tokens "
-          f"({r['output_tokens']} in all), greedy, ignore_eos")  # fmt: skip
+    print(f"  {r['num_prompts']} prompts a round (new ones each round, the same for both), input "
+          f"{r['input_len']}, output {r['output_len']} tokens; greedy, ignore_eos; one warm-up round")  # fmt: skip
     print(f"  {f['dtype']}, {f['threads']} threads: {f['binding']}")
     print(f"  max_num_seqs {f['max_num_seqs']}, max_num_batched_tokens {f['max_num_batched_tokens']}, "
           f"KV {f['kv_cache_bytes_each'] / 2**30:.2f} GiB each, prefix caching "
@@ -165,8 +194,9 @@ def print_report(r: dict[str, Any]) -> None:
           f"/ vllm {f['block_sizes']['vllm']}, preloads: vllm {f['preloads']['vllm']}")  # fmt: skip
     for number, (rnd, ratio) in enumerate(zip(r["rounds"], r["ratio"]["per_round"], strict=True), 1):
         rates = ", ".join(f"{s} {rnd[s]['tokens_per_s']:.1f}" for s in rnd["order"])
+        others = ", ".join(f"{s} {rnd[s]['other_load']['share']:.0%}" for s in rnd["order"])
         print(f"  round {number} ({rnd['order'][0]} first): {rates} output tok/s; "
-              f"flotilla/vllm {compare_report.fmt_ratio(ratio)}")  # fmt: skip
+              f"flotilla/vllm {compare_report.fmt_ratio(ratio)} (other work on the cores: {others})")  # fmt: skip
     median = r["ratio"]["median"]
     verdict = compare_report.verdict("output_tok_s", median)
     print(

@@ -45,11 +45,16 @@ def add_compare_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype", default="auto", help="both servers' dtype (auto: Flotilla's choice, float32 on CPU)"
     )
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
         knob = ENGINE_KNOBS[name]
         group.add_argument(
-            knob.flag, type=int, default=knob.default, help=f"{knob.help} (both; default {knob.default})"
+            knob.flag, type=int, default=knob.default, help=f"{knob.help}, both (default {knob.default})"
         )
+    knob = ENGINE_KNOBS["block_size"]
+    group.add_argument(
+        knob.flag, type=int, default=knob.default,
+        help=f"Flotilla's KV block size (default {knob.default}; vLLM's is {vllm_peer.FLAG_VLLM_BLOCK_SIZE})",
+    )  # fmt: skip
     group.add_argument(ENGINE_KNOBS["kv_cache_memory"].flag, type=parse_bytes, default=None,
                        help=f"KV cache bytes, each (default {vllm_peer.KV_CACHE_BYTES >> 30} GiB)")  # fmt: skip
     group.add_argument("--startup-timeout", type=float, default=1800.0,

@@ -5,11 +5,11 @@ took and the tokens. The same code times both systems.
 Stdlib only at module level: vLLM's python runs this file by its path (it has no Flotilla), Flotilla's
 runs it as `python -m flotilla.bench.engine.offline_peer`.
 
-The protocol: argv[1] is a job file (JSON: `system`, `settings`, `prompts`, `output_lens`). The peer
-answers with one JSON object per line on its standard output, `{"event": "ready", ...}` first, and reads
-one command per line on its standard input: `{"cmd": "run"}` (answered by `{"event": "ran", "seconds",
-"output_tokens", "token_ids"}`) or `{"cmd": "quit"}`. A failure is `{"event": "error", "message"}`.
-What the libraries print goes to standard error."""
+The protocol: argv[1] is a job file (JSON: `system`, `settings`, `workloads`: a list of `{"prompts",
+"output_lens"}`). The peer answers with one JSON object per line on its standard output, `{"event":
+"ready", ...}` first, and reads one command per line on its standard input: `{"cmd": "run", "workload":
+N}` (answered by `{"event": "ran", "seconds", "output_tokens", "token_ids"}`) or `{"cmd": "quit"}`. A
+failure is `{"event": "error", "message"}`. What the libraries print goes to standard error."""
 
 from __future__ import annotations
 
@@ -135,17 +135,18 @@ def run(job: dict[str, Any], commands: TextIO, send: Callable[[dict[str, Any]], 
     start = time.perf_counter()
     system.generate(WARMUP_PROMPTS, [WARMUP_TOKENS] * len(WARMUP_PROMPTS))
     send({"event": "ready", "load_s": load_s, "warmup_s": time.perf_counter() - start, "info": system.info()})
-    prompts, output_lens = job["prompts"], job["output_lens"]
+    workloads = job["workloads"]
     try:
         for line in commands:
-            cmd = json.loads(line).get("cmd")
-            if cmd == "quit":
+            command = json.loads(line)
+            if command.get("cmd") == "quit":
                 return
-            if cmd != "run":
-                send({"event": "error", "message": f"unknown command {cmd!r}"})
+            if command.get("cmd") != "run":
+                send({"event": "error", "message": f"unknown command {command!r}"})
                 continue
+            work = workloads[command["workload"]]
             start = time.perf_counter()
-            token_ids = system.generate(prompts, output_lens)
+            token_ids = system.generate(work["prompts"], work["output_lens"])
             seconds = time.perf_counter() - start
             output_tokens = sum(map(len, token_ids))
             send({"event": "ran", "seconds": seconds, "output_tokens": output_tokens, "token_ids": token_ids})

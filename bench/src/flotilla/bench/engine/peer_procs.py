@@ -73,6 +73,23 @@ class Child:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) its process group's live processes have used."""
+        return group_cpu_seconds(self.proc.pid) if self.proc else 0.0
+
+    def wait_quiet(self, window_s: float = 0.5, share: float = 0.02, timeout: float = 60.0) -> float:
+        """Waits until the process group uses under `share` of a core over `window_s`, at most `timeout`
+        seconds; returns the seconds waited. vLLM's worker keeps its OpenMP threads spinning for seconds
+        after a batch (a fifth of a core here), which slows the other system's next run when it shares
+        the cores."""
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            before = self.cpu_seconds()
+            time.sleep(window_s)
+            if self.cpu_seconds() - before < share * window_s:
+                break
+        return time.perf_counter() - start
+
     def failure(self, what: str) -> PeerError:
         return PeerError(f"{self.name} {what}; its log, {self.log}, ends:\n{self.log_tail()}")
 
@@ -166,6 +183,54 @@ class Server(Child):
                 progress(f"{self.name}: starting ({now - self.started:.0f} s)")
                 next_note += PROGRESS_EVERY_S
             time.sleep(0.1)
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """The user + system CPU seconds of the live processes in process group `pgid` (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+        if int(fields[2]) == pgid:  # state, ppid, pgrp, ...; utime and stime are fields 14 and 15
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy (not idle, not waiting on I/O) since boot."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much CPU the rest of the machine (everything but `children` and this process) used while a
+    measurement ran: on a shared machine a round that overlapped other work reads slow, and this says
+    which. `share` is of the machine's time (all its cores)."""
+
+    def __init__(self, children: Iterable[Child]) -> None:
+        self.children, self.cores = list(children), os.cpu_count() or 1
+
+    def _ours(self) -> float:
+        own = os.times()
+        return sum(c.cpu_seconds() for c in self.children) + own.user + own.system
+
+    def __enter__(self) -> OtherLoad:
+        self.start, self.busy, self.ours = time.perf_counter(), machine_busy_seconds(), self._ours()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self.start
+        others = max(0.0, (machine_busy_seconds() - self.busy) - (self._ours() - self.ours))
+        self.cpu_s = others
+        self.share = others / (wall * self.cores) if wall > 0 else 0.0
 
 
 def health(url: str) -> int | None:
