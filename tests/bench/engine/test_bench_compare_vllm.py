@@ -4,11 +4,11 @@ comparison itself runs only where a vLLM virtualenv exists (docs/benchmarks.md);
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import stat
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -308,7 +308,7 @@ def test_offline_peer_imports_nothing_but_the_standard_library_at_module_level()
 
 
 def test_namespace_settings_default_the_kv_budget_to_flotillas(tmp_path):
-    args = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, vllm_block_size=64,
+    args = argparse.Namespace(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, vllm_block_size=64,
                            kv_cache_memory=None, seed=0)  # fmt: skip
     s = vllm_peer.namespace_settings(args, str(tmp_path), "float32", (0,))
     assert s.kv_cache_bytes == vllm_peer.KV_CACHE_BYTES and s.model == str(tmp_path.resolve())

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-SYSTEMS = ("flotilla", "vllm")
+SYSTEMS: tuple[str, str] = ("flotilla", "vllm")
 # The latency figures either client reports, as (key, what it is); all in seconds.
 LATENCIES = (
     ("ttft_p50_s", "TTFT p50"),
@@ -31,7 +31,8 @@ def round_orders(rounds: int) -> list[tuple[str, str]]:
     run falls on both."""
     if rounds < 1:
         raise ValueError(f"--rounds must be 1 or more, got {rounds}")
-    return [SYSTEMS if r % 2 == 0 else SYSTEMS[::-1] for r in range(rounds)]
+    first, second = SYSTEMS
+    return [(first, second) if r % 2 == 0 else (second, first) for r in range(rounds)]
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:

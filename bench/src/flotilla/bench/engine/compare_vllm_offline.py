@@ -74,7 +74,8 @@ def run_compare_offline(args: argparse.Namespace) -> int:
         if args.device not in ("auto", "cpu"):
             raise vllm_peer.CompareError("--compare vllm compares vLLM's CPU backend: --device must be cpu")
         orders = compare_report.round_orders(args.rounds)
-        parse_range(args.input_len), parse_range(args.output_len)  # a bad range fails here, before any load
+        for lengths in (args.input_len, args.output_len):  # a bad range fails here, before any load
+            parse_range(lengths)
         settings = vllm_peer.namespace_settings(
             args, args.model, resolve_dtype(args.dtype, args.model), vllm_peer.cpus_for(args.threads)
         )

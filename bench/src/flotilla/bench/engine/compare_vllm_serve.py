@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.bench.engine import compare_report, vllm_peer
-from flotilla.bench.engine.peer_procs import Child, PeerError, Server, free_port, progress
+from flotilla.bench.engine.peer_procs import Child, OtherLoad, PeerError, Server, free_port, progress
 from flotilla.contract import CLI, ENGINE_KNOBS, EngineArgs, engine_serve_argv
 from flotilla.engine.engine_args import parse_bytes, thread_count
 
@@ -200,18 +200,18 @@ def serve_one(system: str, number: int, total: int, vllm_python: str, envs: dict
         progress(f"round {number}: {system} server healthy in {startup_s:.1f} s; warming up")
         warm_up(server.url, served_name)
         clients: dict[str, Any] = {}
-        progress(
-            f"round {number}: {system} server, client vllm bench serve ({args.num_prompts} requests) ..."
-        )
-        clients["vllm_bench_serve"] = run_vllm_client(vllm_python, envs["vllm"], server, served_name, args,
-                                                      settings, workdir, f"{tag}-vllm-client")  # fmt: skip
-        progress(
-            f"round {number}: {system} server, client flotilla bench serve ({args.num_prompts} requests) ..."
-        )
-        clients["flotilla_bench_serve"] = run_flotilla_client(server, served_name, args)
-        for client, figures in clients.items():
+        for client in CLIENTS:
+            server.wait_quiet()  # vLLM's worker spins for seconds after a batch
+            progress(f"round {number}: {system} server, client {client} ({args.num_prompts} requests) ...")
+            with OtherLoad([server]) as load:
+                if client == "vllm_bench_serve":
+                    figures = run_vllm_client(vllm_python, envs["vllm"], server, served_name, args, settings,
+                                              workdir, f"{tag}-vllm-client")  # fmt: skip
+                else:
+                    figures = run_flotilla_client(server, served_name, args)
+            clients[client] = figures = {**figures, "other_load_share": load.share}
             progress(f"round {number}: {system} server, {client}: {figures['output_tok_s']:.1f} output tok/s, "
-                     f"{figures['failed']} failed")  # fmt: skip
+                     f"{figures['failed']} failed; other work took {load.share:.0%} of the machine")  # fmt: skip
     except Exception as exc:
         if isinstance(exc, PeerError):
             raise
@@ -261,9 +261,11 @@ def print_report(r: dict[str, Any]) -> None:
           f"KV {f['kv_cache_bytes_each'] / 2**30:.2f} GiB each, prefix caching on for both, block sizes "
           f"flotilla {f['block_sizes']['flotilla']} / vllm {f['block_sizes']['vllm']}, preloads: vllm "
           f"{f['preloads']['vllm']}")  # fmt: skip
-    header = f"  {'':<34}{'out tok/s':>10}" + "".join(f"{name:>10}" for _, name in compare_report.LATENCIES)
+    header = f"  {'':<44}{'out tok/s':>10}" + "".join(f"{name:>10}" for _, name in compare_report.LATENCIES)
     for client in CLIENTS:
-        print(f" client {client} (latencies in ms):")
+        print(
+            f" client {client} (latencies in ms; other: the share of the machine other work took meanwhile):"
+        )
         print(header)
         for number, rnd in enumerate(r["rounds"], 1):
             for system in compare_report.SYSTEMS:
@@ -272,14 +274,16 @@ def print_report(r: dict[str, Any]) -> None:
                     f"{fig[key] * 1000:>10.1f}" if fig[key] is not None else f"{'-':>10}"
                     for key, _ in compare_report.LATENCIES
                 )
-                label = f"round {number} {system} ({fig['failed']} failed)"
-                print(f"  {label:<34}{fig['output_tok_s']:>10.1f}{cells}")
+                label = (
+                    f"round {number} {system} ({fig['failed']} failed, other {fig['other_load_share']:.0%})"
+                )
+                print(f"  {label:<44}{fig['output_tok_s']:>10.1f}{cells}")
         ratios = r["ratios"][client]
         cells = "".join(
             f"{compare_report.fmt_ratio(ratios[k]['median']):>10}" for k, _ in compare_report.LATENCIES
         )
         print(
-            f"  {'median flotilla/vllm':<34}{compare_report.fmt_ratio(ratios['output_tok_s']['median']):>10}{cells}"
+            f"  {'median flotilla/vllm':<44}{compare_report.fmt_ratio(ratios['output_tok_s']['median']):>10}{cells}"
         )
         verdicts = ", ".join(
             f"{key} {ratios[key]['verdict']}" for key in compare_report.TARGETS if ratios[key]["verdict"]

@@ -219,8 +219,9 @@ class OtherLoad:
         self.children, self.cores = list(children), os.cpu_count() or 1
 
     def _ours(self) -> float:
-        own = os.times()
-        return sum(c.cpu_seconds() for c in self.children) + own.user + own.system
+        own = os.times()  # with the children this process has reaped (a client that ran meanwhile)
+        mine = own.user + own.system + own.children_user + own.children_system
+        return sum(c.cpu_seconds() for c in self.children) + mine
 
     def __enter__(self) -> OtherLoad:
         self.start, self.busy, self.ours = time.perf_counter(), machine_busy_seconds(), self._ours()
