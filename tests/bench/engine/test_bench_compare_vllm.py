@@ -313,3 +313,58 @@ def test_namespace_settings_default_the_kv_budget_to_flotillas(tmp_path):
     s = vllm_peer.namespace_settings(args, str(tmp_path), "float32", (0,))
     assert s.kv_cache_bytes == vllm_peer.KV_CACHE_BYTES and s.model == str(tmp_path.resolve())
     assert os.path.isabs(s.model) and s.threads == 1
+
+
+# -- the child processes -------------------------------------------------------------------------------------
+FAKE_PEER = """
+import json, sys
+print(json.dumps({"event": "ready", "load_s": 0.0}), flush=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    if command["cmd"] == "quit":
+        break
+    if command["cmd"] == "fail":
+        print(json.dumps({"event": "error", "message": "asked to"}), flush=True)
+        continue
+    total = sum(i * i for i in range(200_000))  # a little CPU
+    print(json.dumps({"event": "ran", "workload": command["workload"], "total": total}), flush=True)
+"""
+
+
+def test_a_peer_answers_json_lines_is_measured_and_stops_with_its_group(tmp_path):
+    import sys
+
+    from flotilla.bench.engine.peer_procs import OtherLoad, Peer, PeerError, group_stats
+
+    cpus = sorted(os.sched_getaffinity(0))[:1]
+    peer = Peer("fake", [sys.executable, "-c", FAKE_PEER], tmp_path / "fake.log", dict(os.environ), cpus)
+    peer.start()
+    try:
+        assert peer.receive("loading", 30)["event"] == "ready"
+        with OtherLoad([peer]) as load:
+            peer.send({"cmd": "run", "workload": 3})
+            assert peer.receive("running", 30) == {"event": "ran", "workload": 3, "total": 2666646666700000}
+        assert peer.cpu_seconds() > 0 and load.share >= 0 and load.cpu_s >= 0
+        assert peer.wait_quiet(timeout=10) < 10
+        peer.send({"cmd": "fail"})
+        with pytest.raises(PeerError, match="asked to"):
+            peer.receive("failing", 30)
+    finally:
+        peer.quit()
+    assert peer.proc is not None and peer.proc.returncode == 0
+    assert group_stats(peer.proc.pid) == []
+
+
+def test_a_peer_that_dies_is_reported_with_its_log(tmp_path):
+    import sys
+
+    from flotilla.bench.engine.peer_procs import Peer, PeerError
+
+    argv = [sys.executable, "-c", "import sys; print('loading went wrong', file=sys.stderr); sys.exit(3)"]
+    peer = Peer("broken", argv, tmp_path / "broken.log", dict(os.environ), sorted(os.sched_getaffinity(0)))
+    peer.start()
+    try:
+        with pytest.raises(PeerError, match="(?s)exited \\(code 3\\) while loading.*loading went wrong"):
+            peer.receive("loading", 30)
+    finally:
+        peer.stop()

@@ -197,7 +197,7 @@ def print_report(r: dict[str, Any]) -> None:
         rates = ", ".join(f"{s} {rnd[s]['tokens_per_s']:.1f}" for s in rnd["order"])
         others = ", ".join(f"{s} {rnd[s]['other_load']['share']:.0%}" for s in rnd["order"])
         print(f"  round {number} ({rnd['order'][0]} first): {rates} output tok/s; "
-              f"flotilla/vllm {compare_report.fmt_ratio(ratio)} (other work on the cores: {others})")  # fmt: skip
+              f"flotilla/vllm {compare_report.fmt_ratio(ratio)} (other work on the machine: {others})")  # fmt: skip
     median = r["ratio"]["median"]
     verdict = compare_report.verdict("output_tok_s", median)
     print(

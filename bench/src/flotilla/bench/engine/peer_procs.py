@@ -107,9 +107,13 @@ class Child:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-        # The group may outlive its leader (a worker still shutting down).
+        # The group may outlive its leader (a worker still shutting down): kill it, and wait until it has
+        # gone, so that its teardown does not overlap the next measurement.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.perf_counter() + timeout
+        while group_stats(proc.pid) and time.perf_counter() < deadline:
+            time.sleep(0.1)
 
 
 class Peer(Child):
@@ -185,10 +189,10 @@ class Server(Child):
             time.sleep(0.1)
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """The user + system CPU seconds of the live processes in process group `pgid` (from /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+def group_stats(pgid: int) -> list[list[str]]:
+    """The /proc/PID/stat fields (after the command name, which may hold spaces) of the live processes in
+    process group `pgid`."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -197,23 +201,31 @@ def group_cpu_seconds(pgid: int) -> float:
                 stat = f.read()
         except OSError:  # gone meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-        if int(fields[2]) == pgid:  # state, ppid, pgrp, ...; utime and stime are fields 14 and 15
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # state, ppid, pgrp, ...
+            found.append(fields)
+    return found
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """The user + system CPU seconds of the live processes in process group `pgid` (all their threads)."""
+    ticks = sum(int(f[11]) + int(f[12]) for f in group_stats(pgid))  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_seconds() -> float:
-    """CPU seconds every core of the machine has spent busy (not idle, not waiting on I/O) since boot."""
+    """CPU seconds the machine's cores have spent busy since boot: user, nice, system, interrupts and time
+    the hypervisor gave to others (steal); not idle or I/O wait, and guest time only once (user holds it)."""
     with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 class OtherLoad:
     """How much CPU the rest of the machine (everything but `children` and this process) used while a
     measurement ran: on a shared machine a round that overlapped other work reads slow, and this says
-    which. `share` is of the machine's time (all its cores)."""
+    which. `share` is of the machine's time (all its cores). It is approximate: kernel threads working for
+    the measured processes (page compaction, say) count as others, and so does hypervisor steal."""
 
     def __init__(self, children: Iterable[Child]) -> None:
         self.children, self.cores = list(children), os.cpu_count() or 1
