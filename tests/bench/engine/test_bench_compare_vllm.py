@@ -341,7 +341,7 @@ def test_a_peer_answers_json_lines_is_measured_and_stops_with_its_group(tmp_path
     peer.start()
     try:
         assert peer.receive("loading", 30)["event"] == "ready"
-        with OtherLoad([peer]) as load:
+        with OtherLoad([peer], cpus) as load:
             peer.send({"cmd": "run", "workload": 3})
             assert peer.receive("running", 30) == {"event": "ran", "workload": 3, "total": 2666646666700000}
         assert peer.cpu_seconds() > 0 and load.share >= 0 and load.cpu_s >= 0

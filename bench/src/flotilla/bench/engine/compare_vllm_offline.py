@@ -114,8 +114,8 @@ def run_compare_offline(args: argparse.Namespace) -> int:
             for system in order:
                 progress(f"round {number}/{len(orders)}: {system} generating {args.num_prompts} requests ...")
                 measured[system] = ran = generate(peers, system, number)
-                progress(f"round {number}: {system} {ran['tokens_per_s']:.1f} output tok/s; other work on "
-                         f"the machine took {ran['other_load']['share']:.0%} of the cores meanwhile")  # fmt: skip
+                progress(f"round {number}: {system} {ran['tokens_per_s']:.1f} output tok/s; other work took "
+                         f"{ran['other_load']['share']:.0%} of those cores meanwhile")  # fmt: skip
             rounds.append(measured)
     except PeerError as exc:
         print(f"{COMMAND}: {exc}", file=sys.stderr)
@@ -143,7 +143,7 @@ def generate(peers: dict[str, Peer], system: str, workload: int) -> dict[str, An
     beside the other's leftover work)."""
     waited = sum(p.wait_quiet() for p in peers.values())
     peer = peers[system]
-    with OtherLoad(peers.values()) as load:
+    with OtherLoad(peers.values(), peer.cpus) as load:
         peer.send({"cmd": "run", "workload": workload})
         ran = peer.receive("generating", RUN_TIMEOUT_S)
     return {
@@ -197,7 +197,7 @@ def print_report(r: dict[str, Any]) -> None:
         rates = ", ".join(f"{s} {rnd[s]['tokens_per_s']:.1f}" for s in rnd["order"])
         others = ", ".join(f"{s} {rnd[s]['other_load']['share']:.0%}" for s in rnd["order"])
         print(f"  round {number} ({rnd['order'][0]} first): {rates} output tok/s; "
-              f"flotilla/vllm {compare_report.fmt_ratio(ratio)} (other work on the machine: {others})")  # fmt: skip
+              f"flotilla/vllm {compare_report.fmt_ratio(ratio)} (other work on the cores: {others})")  # fmt: skip
     median = r["ratio"]["median"]
     verdict = compare_report.verdict("output_tok_s", median)
     print(

@@ -203,7 +203,7 @@ def serve_one(system: str, number: int, total: int, vllm_python: str, envs: dict
         for client in CLIENTS:
             server.wait_quiet()  # vLLM's worker spins for seconds after a batch
             progress(f"round {number}: {system} server, client {client} ({args.num_prompts} requests) ...")
-            with OtherLoad([server]) as load:
+            with OtherLoad([server], settings.cpus) as load:
                 if client == "vllm_bench_serve":
                     figures = run_vllm_client(vllm_python, envs["vllm"], server, served_name, args, settings,
                                               workdir, f"{tag}-vllm-client")  # fmt: skip
@@ -211,7 +211,7 @@ def serve_one(system: str, number: int, total: int, vllm_python: str, envs: dict
                     figures = run_flotilla_client(server, served_name, args)
             clients[client] = figures = {**figures, "other_load_share": load.share}
             progress(f"round {number}: {system} server, {client}: {figures['output_tok_s']:.1f} output tok/s, "
-                     f"{figures['failed']} failed; other work took {load.share:.0%} of the machine")  # fmt: skip
+                     f"{figures['failed']} failed; other work took {load.share:.0%} of its cores")  # fmt: skip
     except Exception as exc:
         if isinstance(exc, PeerError):
             raise
@@ -263,9 +263,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"{f['preloads']['vllm']}")  # fmt: skip
     header = f"  {'':<44}{'out tok/s':>10}" + "".join(f"{name:>10}" for _, name in compare_report.LATENCIES)
     for client in CLIENTS:
-        print(
-            f" client {client} (latencies in ms; other: the share of the machine other work took meanwhile):"
-        )
+        print(f" client {client} (latencies in ms; other: the share of the cores other work took meanwhile):")
         print(header)
         for number, rnd in enumerate(r["rounds"], 1):
             for system in compare_report.SYSTEMS:

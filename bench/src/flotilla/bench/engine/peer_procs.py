@@ -213,22 +213,30 @@ def group_cpu_seconds(pgid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds the machine's cores have spent busy since boot: user, nice, system, interrupts and time
-    the hypervisor gave to others (steal); not idle or I/O wait, and guest time only once (user holds it)."""
+def busy_seconds(cpus: Iterable[int]) -> float:
+    """CPU seconds the cores `cpus` have spent busy since boot (/proc/stat): user, nice, system,
+    interrupts and time the hypervisor gave to others (steal); not idle or I/O wait, and guest time only
+    once (user holds it)."""
+    wanted = {f"cpu{n}" for n in cpus}
+    total = 0
     with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        for line in f:
+            name, *values = line.split()
+            if name in wanted:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in values[:8])
+                total += user + nice + system + irq + softirq + steal
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class OtherLoad:
-    """How much CPU the rest of the machine (everything but `children` and this process) used while a
-    measurement ran: on a shared machine a round that overlapped other work reads slow, and this says
-    which. `share` is of the machine's time (all its cores). It is approximate: kernel threads working for
-    the measured processes (page compaction, say) count as others, and so does hypervisor steal."""
+    """How much of the measured cores' time other work took (everything but `children` and this process)
+    while a measurement ran: on a shared machine a round that overlapped other work reads slow, and this
+    says which. `share` is of the cores' time. It is approximate: kernel threads working for the measured
+    processes (page compaction, say) count as other work, and so does hypervisor steal, while this
+    process's own time counts as the measurement's wherever it ran."""
 
-    def __init__(self, children: Iterable[Child]) -> None:
-        self.children, self.cores = list(children), os.cpu_count() or 1
+    def __init__(self, children: Iterable[Child], cpus: Iterable[int]) -> None:
+        self.children, self.cpus = list(children), sorted(cpus)
 
     def _ours(self) -> float:
         own = os.times()  # with the children this process has reaped (a client that ran meanwhile)
@@ -236,14 +244,14 @@ class OtherLoad:
         return sum(c.cpu_seconds() for c in self.children) + mine
 
     def __enter__(self) -> OtherLoad:
-        self.start, self.busy, self.ours = time.perf_counter(), machine_busy_seconds(), self._ours()
+        self.start, self.busy, self.ours = time.perf_counter(), busy_seconds(self.cpus), self._ours()
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self.start
-        others = max(0.0, (machine_busy_seconds() - self.busy) - (self._ours() - self.ours))
+        others = max(0.0, (busy_seconds(self.cpus) - self.busy) - (self._ours() - self.ours))
         self.cpu_s = others
-        self.share = others / (wall * self.cores) if wall > 0 else 0.0
+        self.share = min(1.0, others / (wall * len(self.cpus))) if wall > 0 and self.cpus else 0.0
 
 
 def health(url: str) -> int | None:
