@@ -5,15 +5,18 @@ functions. The root CLI attaches `configure` under `flotilla engine` when this d
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def configure(bench: argparse.ArgumentParser) -> None:
     """Fills `flotilla engine bench`: one subcommand per benchmark."""
+    from flotilla.bench.engine.compare_vllm_serve import add_compare_serve_args
     from flotilla.bench.engine.fair import add_bench_fair_args
     from flotilla.bench.engine.lora import add_bench_lora_args
     from flotilla.bench.engine.quantization import add_quantization_report_args
     from flotilla.bench.engine.serve import add_bench_serve_args
     from flotilla.bench.engine.speculation import add_speculation_report_args
+    from flotilla.bench.engine.vllm_peer import add_vllm_args
     from flotilla.engine.engine_args import add_quantization_args, thread_count
 
     kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
@@ -21,9 +24,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
         "serve",
         help="load-test a running server: streamed requests, Poisson arrivals, latency percentiles",
         description="Stream requests to a running server and report TTFT, TPOT, ITL and end-to-end "
-        "latency (mean, median, p90, p99), throughput and failed requests.",
+        "latency (mean, median, p90, p99), throughput and failed requests. With --compare vllm: start "
+        "Flotilla's server and vLLM's, one at a time, and drive each with `vllm bench serve` and with this "
+        "benchmark (docs/benchmarks.md).",
     )
     add_bench_serve_args(bench_serve)
+    add_compare_serve_args(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
     offline = kinds.add_parser(
         "offline",
@@ -33,7 +39,9 @@ def configure(bench: argparse.ArgumentParser) -> None:
         "--report throughput (the default) is the throughput benchmark; --report quantization measures "
         "every weight-only quantization (none, int8, int4 in each group size) on the model: layer bytes "
         "against bfloat16, perplexity on held-out corpus text, greedy agreement with the float model and "
-        "decode tok/s; --report speculation the speculative decoding report.",
+        "decode tok/s; --report speculation the speculative decoding report. --compare vllm runs "
+        "Flotilla and vLLM, each in its own process, on the same model, prompts and settings, in "
+        "alternating rounds (docs/benchmarks.md).",
     )
     offline.add_argument("--model", required=True, help="model folder (e.g. from `flotilla model init`)")
     offline.add_argument(
@@ -42,11 +50,21 @@ def configure(bench: argparse.ArgumentParser) -> None:
         default="throughput",
         help="which report (default throughput)",
     )
-    offline.add_argument("--png", help="quantization and speculation reports: write their figure to this PNG")
+    offline.add_argument(
+        "--png", help="quantization and speculation reports, --compare vllm: write their figure to this PNG"
+    )
     offline.add_argument("--num-prompts", type=int, default=64)
     offline.add_argument("--input-len", default="32:256", help="prompt lengths, uniform in A:B tokens")
     offline.add_argument("--output-len", default="32:256", help="output lengths, uniform in A:B tokens")
-    offline.add_argument("--compare", choices=["hf", "none"], default="none", help="also run transformers")
+    offline.add_argument(
+        "--compare",
+        choices=["hf", "vllm", "none"],
+        default="none",
+        help="also run transformers (hf), or compare with vLLM (vllm: needs --vllm-python; then only "
+        "--num-prompts, the lengths, --seed, --dtype, --threads, the batch limits, --block-size and "
+        "--kv-cache-memory are read)",
+    )
+    add_vllm_args(offline)
     offline.add_argument(
         "--hf-sequential-prompts",
         type=int,
@@ -137,6 +155,13 @@ def _bench_lora(args: argparse.Namespace) -> int:
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
+    if args.compare == "vllm" or args.vllm_python:
+        if args.report != "throughput":
+            print("flotilla engine bench offline: --compare vllm is a throughput report", file=sys.stderr)
+            return 2
+        from flotilla.bench.engine.compare_vllm_offline import run_compare_offline
+
+        return run_compare_offline(args)
     if args.report == "quantization":
         from flotilla.bench.engine.quantization import run_quantization_report
 
@@ -163,6 +188,10 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    if args.compare != "none" or args.vllm_python:
+        from flotilla.bench.engine.compare_vllm_serve import run_compare_serve
+
+        return run_compare_serve(args)
     from flotilla.bench.engine.serve import run_bench_serve
 
     return run_bench_serve(args)
