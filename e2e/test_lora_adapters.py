@@ -106,11 +106,9 @@ def _loaded_in(cluster: ClusterHandle, namespace: str, pod: str) -> dict | None:
 def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
     cluster, operator, namespace, tiny_llama, adapter_dir
 ):
-    engine = {
-        "kvCacheMemory": "64Mi",
-        "maxNumSeqs": 4,
-        "lora": {"enabled": True, "maxLoras": 2, "maxLoraRank": 16},
-    }
+    # The replicas see the node folder adapterDir names (mounted at its own path), which holds the adapter.
+    lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(adapter_dir.parent)}
+    engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
     cluster.apply(yaml.safe_dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace)
 
     # A source the operator cannot read is refused in status, naming the field and what is accepted.

@@ -57,14 +57,38 @@ def _base(lora: dict | None = None, served: str | None = None) -> dict:
     return {"spec": {"model": model, "engine": {"lora": lora} if lora is not None else {}}}
 
 
-def test_the_base_must_exist_and_serve_adapters_under_another_name() -> None:
-    assert d.base_problem("sql", "ns", "base", None)[0] == "BaseServiceNotFound"
-    reason, message = d.base_problem("sql", "ns", "base", _base())
+ON = {"enabled": True, "adapterDir": "/adapters"}
+
+
+def test_the_base_must_exist_serve_adapters_from_a_folder_holding_the_source_under_another_name() -> None:
+    path = "/adapters/sql"
+    assert d.base_problem("sql", "ns", "base", None, path)[0] == "BaseServiceNotFound"
+    reason, message = d.base_problem("sql", "ns", "base", _base(), path)
     assert reason == "LoRANotEnabled" and "spec.engine.lora.enabled" in message
-    assert d.base_problem("sql", "ns", "base", _base({"enabled": False}))[0] == "LoRANotEnabled"
-    assert d.base_problem("sql", "ns", "base", _base({"enabled": True})) is None
-    assert d.base_problem("tiny", "ns", "base", _base({"enabled": True}, served="tiny"))[0] == "NameTaken"
-    assert d.base_problem("base", "ns", "base", _base({"enabled": True}))[0] == "NameTaken"
+    assert d.base_problem("sql", "ns", "base", _base({"enabled": False}), path)[0] == "LoRANotEnabled"
+    reason, message = d.base_problem("sql", "ns", "base", _base({"enabled": True}), path)
+    assert reason == "NoAdapterDir" and "spec.engine.lora.adapterDir" in message and path in message
+    assert d.base_problem("sql", "ns", "base", _base(ON), path) is None
+    for outside in ("/adapters-other/sql", "/srv/sql", "/adapters"):
+        reason, message = d.base_problem("sql", "ns", "base", _base(ON), outside)
+        assert reason == "SourceOutsideAdapterDir" and outside in message and "/adapters" in message
+    assert d.base_problem("tiny", "ns", "base", _base(ON, served="tiny"), path)[0] == "NameTaken"
+    assert d.base_problem("base", "ns", "base", _base(ON), path)[0] == "NameTaken"
+
+
+def test_adapter_dir_is_mounted_read_only_at_its_own_path(make_spec, owner, decision, config) -> None:
+    from flotilla.operator.desired.workload import LORA_ADAPTERS_VOLUME, deployment
+
+    spec = make_spec(engine={"lora": {"enabled": True, "adapterDir": "/srv/adapters/"}})
+    pod = deployment(owner, spec, decision, config)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == LORA_ADAPTERS_VOLUME]
+    assert volume["hostPath"] == {"path": "/srv/adapters", "type": "Directory"}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == LORA_ADAPTERS_VOLUME]
+    assert mount == {"name": LORA_ADAPTERS_VOLUME, "mountPath": "/srv/adapters", "readOnly": True}
+    # Without LoRA (or without a folder) the pod template is what it was: no rollout of existing services.
+    for engine in ({}, {"lora": {"enabled": True}}):
+        plain = deployment(owner, make_spec(engine=engine), decision, config)["spec"]["template"]["spec"]
+        assert [v["name"] for v in plain["volumes"]] == [v["name"] for v in pod["volumes"] if v is not volume]
 
 
 # -- replicas and what they serve ---------------------------------------------------------------------------
@@ -224,3 +248,12 @@ def test_spec_engine_lora_rules_across_fields(make_spec) -> None:
     (p,) = _lora_problems(make_spec, lora={"enabled": True, "maxLoras": 32})
     assert p.field == "spec.engine.lora.maxCpuLoras" and "16 is below maxLoras (32)" in p.message
     assert _lora_problems(make_spec, lora={"enabled": True}, quantization="none") == []
+    (p,) = _lora_problems(make_spec, lora={"adapterDir": "/adapters"})
+    assert p.field == "spec.engine.lora.enabled" and "adapterDir set" in p.message
+    spec = make_spec(engine={"lora": {"enabled": True, "adapterDir": "/nowhere"}})
+    (p,) = validate(spec, gpu_types=None, path_exists=lambda path: path != "/nowhere")
+    assert (
+        p.field == "spec.engine.lora.adapterDir"
+        and p.reason == "AdapterDirNotFound"
+        and "/nowhere" in p.message
+    )

@@ -77,7 +77,7 @@ def _indexes(pods: list[dict], lora: bool = True) -> dict:
     base = {
         "spec": {
             "model": {"uri": "file:///models/tiny", "servedName": "tiny"},
-            "engine": {"lora": {"enabled": lora}},
+            "engine": {"lora": {"enabled": lora, "adapterDir": "/adapters"}},
         }
     }
     return {"services": {(NS, BASE): [base]}, "pods": {(NS, BASE): pods}}
@@ -174,7 +174,9 @@ def _admit(
 
 
 def test_the_webhook_refuses_a_bad_source_and_an_adapter_past_the_tenants_limit() -> None:
-    with pytest.raises(kopf.AdmissionError, match="spec.source: 'hf://org/x': scheme 'hf' is not supported") as refused:
+    with pytest.raises(
+        kopf.AdmissionError, match="spec.source: 'hf://org/x': scheme 'hf' is not supported"
+    ) as refused:
         _admit(_webhook_memo(None, []), source="hf://org/x")
     assert refused.value.code == 422
     memo = _webhook_memo(2, [(NS, "one"), (NS, "two"), ("team-b", "other")])

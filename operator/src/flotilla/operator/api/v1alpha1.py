@@ -103,7 +103,8 @@ class Speculative(_Model):
 
 
 # spec.engine.lora: LoRA adapters served beside the base model (docs/lora.md). The adapters themselves are
-# LoRAAdapter objects, which the operator loads into the replicas at runtime; these only size the engine.
+# LoRAAdapter objects, which the operator loads into the replicas at runtime; these size the engine (the
+# knobs) and name the node folder the replicas read adapters from (adapterDir, a volume: no knob).
 # The bounds are the engine's (flotilla.contract's max_loras, max_lora_rank, max_cpu_loras knobs); rules
 # across fields (quantization, maxCpuLoras below maxLoras, sizes without enabled) are desired/validation.py's.
 class LoRASettings(_Model):
@@ -130,6 +131,14 @@ class LoRASettings(_Model):
         le=4096,
         description="adapters loaded in host memory at once, at least maxLoras (the engine's default 16); "
         "loading more fails until one is deleted",
+    )
+    adapter_dir: str | None = Field(
+        default=None,
+        min_length=2,
+        max_length=4096,
+        pattern=r"^/",
+        description="a folder on the nodes, mounted read-only into every replica at the same path (hostPath): "
+        "the file:// sources of this service's LoRAAdapters must lie under it",
     )
 
 

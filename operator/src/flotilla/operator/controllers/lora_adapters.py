@@ -88,7 +88,7 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
         if spec is not None and invalid is None:
             path = desired.adapter_path(spec.source)
             base = index_one(indexes.of(kwargs)["services"], (namespace, spec.inference_service))
-            blocked = desired.base_problem(name, namespace, spec.inference_service, base)
+            blocked = desired.base_problem(name, namespace, spec.inference_service, base, path)
             if blocked is None:
                 replicas = _replicas(kwargs, namespace, spec.inference_service)
                 ready = len(replicas)

@@ -68,8 +68,11 @@ def check(raw: Mapping) -> tuple[LoRAAdapterSpec | None, list[Problem]]:
     return spec, []
 
 
-def base_problem(name: str, namespace: str, service: str, base: Mapping | None) -> tuple[str, str] | None:
-    """Why the base service cannot take the adapter, as (reason, message); None when it can."""
+def base_problem(
+    name: str, namespace: str, service: str, base: Mapping | None, path: str
+) -> tuple[str, str] | None:
+    """Why the base service cannot take the adapter from `path`, as (reason, message); None when it can. Its
+    replicas see only the node folder its spec.engine.lora.adapterDir mounts, so the path must lie under it."""
     if base is None:
         return "BaseServiceNotFound", f"InferenceService {namespace}/{service} does not exist"
     try:
@@ -81,6 +84,20 @@ def base_problem(name: str, namespace: str, service: str, base: Mapping | None) 
             "LoRANotEnabled",
             f"InferenceService {namespace}/{service} does not serve adapters: set its spec.engine.lora.enabled "
             "to true",
+        )
+    folder = spec.engine.lora.adapter_dir
+    if not folder:
+        return (
+            "NoAdapterDir",
+            f"InferenceService {namespace}/{service} sets no spec.engine.lora.adapterDir, so its replicas see no "
+            f"node folder to load spec.source {path} from: set it to a folder on the nodes that holds the adapter",
+        )
+    folder = posixpath.normpath(folder)
+    if posixpath.commonpath([folder, path]) != folder or path == folder:
+        return (
+            "SourceOutsideAdapterDir",
+            f"spec.source {path} is not under {folder}, the spec.engine.lora.adapterDir of InferenceService "
+            f"{namespace}/{service}: its replicas see only that folder",
         )
     served = spec.model.served_name or service
     if served == name:

@@ -132,7 +132,7 @@ def _engine_problems(engine: EngineSettings, path_exists: Callable[[str], bool] 
                 "InvalidQuantization",
             )
         )
-    problems += _lora_problems(engine)
+    problems += _lora_problems(engine, path_exists)
     speculative = engine.speculative
     if speculative is None:
         return problems
@@ -165,14 +165,19 @@ _DEFAULT_MAX_LORAS = ENGINE_KNOBS["max_loras"].default
 _DEFAULT_MAX_CPU_LORAS = ENGINE_KNOBS["max_cpu_loras"].default
 
 
-def _lora_problems(engine: EngineSettings) -> list[Problem]:
+def _lora_problems(engine: EngineSettings, path_exists: Callable[[str], bool] | None) -> list[Problem]:
     """spec.engine.lora's rules across fields: the engine's own (EngineConfig refuses them at start), worded
     here so that the webhook refuses them before a pod crashes on them."""
     lora = engine.lora
     if lora is None:
         return []
     problems: list[Problem] = []
-    sizes = {"maxLoras": lora.max_loras, "maxLoraRank": lora.max_lora_rank, "maxCpuLoras": lora.max_cpu_loras}
+    sizes = {
+        "maxLoras": lora.max_loras,
+        "maxLoraRank": lora.max_lora_rank,
+        "maxCpuLoras": lora.max_cpu_loras,
+        "adapterDir": lora.adapter_dir,
+    }
     sized = [name for name, value in sizes.items() if value is not None]
     if not lora.enabled:
         if sized:
@@ -203,6 +208,14 @@ def _lora_problems(engine: EngineSettings) -> list[Problem]:
                 f"{max_cpu} is below maxLoras ({max_loras}): an adapter in a device slot is also kept in host "
                 "memory, so maxCpuLoras must be at least maxLoras",
                 "InvalidLoRA",
+            )
+        )
+    if lora.adapter_dir and path_exists is not None and not path_exists(lora.adapter_dir):
+        problems.append(
+            Problem(
+                "spec.engine.lora.adapterDir",
+                f"folder {lora.adapter_dir} does not exist on the nodes (it is mounted into every replica)",
+                "AdapterDirNotFound",
             )
         )
     return problems
