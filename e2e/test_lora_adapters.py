@@ -1,7 +1,8 @@
 """LoRAAdapters on the real local cluster: the operator (under its least-privilege ServiceAccount) loads an
 adapter into the ready replica of its base InferenceService (the real engine, CPU, a random-weight tiny
 model), the replica serves `model: <adapter>`, a replica that replaces a deleted pod gets the adapter
-again, and deleting the adapter unloads it. A source the operator cannot read is refused in status."""
+again, so does an engine that lost it while the operator was down, and deleting the adapter unloads it. A
+source the operator cannot read is refused in status."""
 
 from __future__ import annotations
 
@@ -96,6 +97,14 @@ def _served(endpoint: str) -> dict[str, str]:
     return {m["id"]: m["root"] for m in data if m.get("parent")}
 
 
+def _post(url: str, body: dict) -> int:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as rsp:
+        return rsp.status
+
+
 def _loaded_in(cluster: ClusterHandle, namespace: str, pod: str) -> dict | None:
     obj = _get(cluster, "loraadapter", ADAPTER, namespace)
     ready = _conditions(obj).get("Ready", {}).get("status") == "True"
@@ -144,6 +153,14 @@ def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
     wait_for(lambda: ADAPTER in _served(new_endpoint), 60, f"{ADAPTER} reloaded into {new_name}")
     wait_for(lambda: _loaded_in(cluster, namespace, new_name), 60, f"status: {ADAPTER} Loaded in {new_name}")
     assert complete(new_endpoint, model=ADAPTER)["model"] == ADAPTER
+
+    # The operator is down while the engine forgets the adapter (unloaded behind its back): once back, the
+    # operator finds it missing and loads it again.
+    operator.stop()
+    _post(f"{new_endpoint}/unload_lora_adapter", {"lora_name": ADAPTER})
+    assert ADAPTER not in _served(new_endpoint)
+    operator.start()
+    wait_for(lambda: ADAPTER in _served(new_endpoint), 60, f"{ADAPTER} reloaded after the operator's restart")
 
     # Deleted: the finalizer unloads it from the replica before the object goes.
     cluster.kubectl("delete", "loraadapter", ADAPTER, "-n", namespace, "--timeout=60s")
