@@ -652,6 +652,7 @@ ENGINE_KNOBS: dict[str, Knob] = _declare(
         default=False,
         parse=None,
         switch=True,
+        crd="lora.enabled",
     ),
     Knob(
         name="lora_modules",
@@ -670,6 +671,7 @@ ENGINE_KNOBS: dict[str, Knob] = _declare(
         "slot waits for one (default {default})",
         default=4,
         parse=parse_positive_count,
+        crd="lora.maxLoras",
     ),
     Knob(
         name="max_lora_rank",
@@ -677,6 +679,7 @@ ENGINE_KNOBS: dict[str, Knob] = _declare(
         help="the highest adapter rank accepted; slots are sized for it (default {default})",
         default=64,
         parse=parse_positive_count,
+        crd="lora.maxLoraRank",
     ),
     Knob(
         name="max_cpu_loras",
@@ -685,6 +688,7 @@ ENGINE_KNOBS: dict[str, Knob] = _declare(
         "one is unloaded (default {default})",
         default=16,
         parse=parse_positive_count,
+        crd="lora.maxCpuLoras",
     ),
 )
 # The knobs the operator sets (EngineArgs'), and those an InferenceService field sets.

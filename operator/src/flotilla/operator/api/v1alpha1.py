@@ -102,6 +102,46 @@ class Speculative(_Model):
     )
 
 
+# spec.engine.lora: LoRA adapters served beside the base model (docs/lora.md). The adapters themselves are
+# LoRAAdapter objects, which the operator loads into the replicas at runtime; these size the engine (the
+# knobs) and name the node folder the replicas read adapters from (adapterDir, a volume: no knob).
+# The bounds are the engine's (flotilla.contract's max_loras, max_lora_rank, max_cpu_loras knobs); rules
+# across fields (quantization, maxCpuLoras below maxLoras, sizes without enabled) are desired/validation.py's.
+class LoRASettings(_Model):
+    enabled: bool | None = Field(
+        default=None,
+        description="serve LoRA adapters (`--enable-lora`): LoRAAdapter objects naming this service are "
+        "loaded into its replicas; refused with quantization",
+    )
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="adapters active in one batch, each in a device slot (the engine's default 4)",
+    )
+    max_lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=512,
+        description="the highest adapter rank accepted; every slot is sized for it (the engine's default 64)",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="adapters loaded in host memory at once, at least maxLoras (the engine's default 16); "
+        "loading more fails until one is deleted",
+    )
+    adapter_dir: str | None = Field(
+        default=None,
+        min_length=2,
+        max_length=4096,
+        pattern=r"^/",
+        description="a folder on the nodes, mounted read-only into every replica at the same path (hostPath): "
+        "the file:// sources of this service's LoRAAdapters must lie under it",
+    )
+
+
 # spec.engine: what the operator passes to `flotilla engine serve` (the engine's own settings class is
 # flotilla.engine.config.EngineConfig). A comment, not a docstring: a docstring becomes the CRD's description.
 class EngineSettings(_Model):
@@ -132,6 +172,9 @@ class EngineSettings(_Model):
     )
     speculative: Speculative | None = Field(
         default=None, description="speculative decoding; unset: none (every token is one forward)"
+    )
+    lora: LoRASettings | None = Field(
+        default=None, description="LoRA adapters (LoRAAdapter objects); unset: none are served"
     )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="appended to `flotilla engine serve`"
@@ -273,6 +316,13 @@ class TenantSpec(_Model):
         default_factory=dict, description="GPUs per GPU type"
     )
     max_services: int | None = Field(default=None, ge=0)
+    max_lora_adapters: int | None = Field(
+        default=None,
+        ge=0,
+        alias="maxLoRAAdapters",
+        description="LoRAAdapter objects the tenant may have in its namespaces (refused at admission past "
+        "it); unset: no limit",
+    )
     price_per_gpu_hour: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, alias="pricePerGPUHour"
     )
@@ -345,6 +395,50 @@ class TenantStatus(_Model):
 
 
 # ---------------------------------------------------------------------------------------------------
+# LoRAAdapter (namespaced): a tenant's fine-tune of an InferenceService's base model, which the operator
+# loads into every ready replica of that service (docs/lora.md, "In the fleet").
+
+# The source schemes accepted in this version (desired/lora_adapter.py checks the URI).
+LORA_SOURCE_SCHEMES = ("file",)
+
+
+class LoRAAdapterSpec(_Model):
+    inference_service: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=LABEL_VALUE_PATTERN,
+        description="the base InferenceService, in the adapter's namespace; it must set spec.engine.lora.enabled",
+    )
+    source: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="where the PEFT folder (adapter_config.json, adapter_model.safetensors) is: file:///path, "
+        "a path on the node the engine reads; pvc, hf and http sources are later work",
+    )
+
+
+class AdapterReplica(_Model):
+    """The adapter in one replica (an engine pod of the base service)."""
+
+    pod: str
+    phase: Literal["Loading", "Loaded", "Failed"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = Field(default=None, description="RFC 3339")
+
+
+class LoRAAdapterStatus(_Model):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list, description="Valid, Ready")
+    replicas: list[AdapterReplica] = Field(
+        default_factory=list, description="one entry per ready replica of the base service"
+    )
+    loaded_replicas: int = Field(default=0, description="ready replicas that serve the adapter")
+    ready_replicas: int = Field(default=0, description="ready replicas of the base service")
+    served_name: str | None = Field(default=None, description="the model name requests send: the object's")
+
+
+# ---------------------------------------------------------------------------------------------------
 # Kind metadata: one place for names that CRDs, RBAC and the controllers all need.
 
 
@@ -380,4 +474,13 @@ TENANT = Kind(
     spec=TenantSpec,
     status=TenantStatus,
 )
-KINDS = [INFERENCE_SERVICE, TENANT]
+LORA_ADAPTER = Kind(
+    kind="LoRAAdapter",
+    plural="loraadapters",
+    singular="loraadapter",
+    short_names=["flora"],
+    scope="Namespaced",
+    spec=LoRAAdapterSpec,
+    status=LoRAAdapterStatus,
+)
+KINDS = [INFERENCE_SERVICE, TENANT, LORA_ADAPTER]

@@ -67,6 +67,7 @@ def run_operator(
         cluster_events,  # nodes, namespaces and Tenants: retry what they may unblock
         indexes,  # the in-memory indexes every handler reads
         lifecycle,  # kopf's settings and login
+        lora_adapters,  # LoRAAdapters loaded into their base service's replicas
         metering,  # metering, tenant RBAC and ResourceQuota
         service_events,  # the InferenceService reconcile
     )

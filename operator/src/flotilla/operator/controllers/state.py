@@ -45,6 +45,8 @@ class Runtime:
     backstop_limits: dict[str, int] = field(default_factory=dict)  # namespace -> GPU limit last applied
     # Each autoscaled service's daemon waits on its event between decisions; a demand sets it (autoscaling.py).
     autoscaler_wake: dict[Key, asyncio.Event] = field(default_factory=dict)
+    # One LoRAAdapter round at a time per adapter (lora_adapters.py): its timer and its change handlers.
+    lora_locks: dict[Key, threading.Lock] = field(default_factory=dict)
 
 
 @dataclass

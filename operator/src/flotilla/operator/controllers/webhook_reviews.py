@@ -12,6 +12,10 @@ tenant, on any replicas, serialize on that write; the loser reads again and deci
   (tenancy.quota_review). The rules that depend on the world (GPU types on the nodes, model paths) are
   left to the reconciler: the world changes (a node joins, a volume is filled) and the reconciler
   re-checks them when it does, while admission is asked once.
+- LoRAAdapters are refused when their spec is invalid (desired.lora_adapter.check: the source's scheme),
+  and, on create, past their Tenant's spec.maxLoRAAdapters (tenancy.lora_limit). The count reads the
+  stored adapters; two creates reviewed at the same moment may both pass (no reservation is kept for
+  adapters, unlike GPU quota), so the limit can be passed by the number of concurrent creates.
 - Tenants are refused when they claim a namespace another Tenant claims, stored or admitted moments ago
   (the claims ConfigMap, written the same way).
 """
@@ -25,12 +29,14 @@ from collections.abc import Iterable
 
 import kopf
 
-from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
+from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, LORA_ADAPTER, TENANT, VERSION, TenantSpec
 from flotilla.operator.clients.quota_ledger import QuotaLedger, World
 from flotilla.operator.controllers import failpoints
 from flotilla.operator.controllers.indexes import ISVC
+from flotilla.operator.desired import lora_adapter
 from flotilla.operator.desired.validation import check, describe, parse_spec
 from flotilla.operator.metrics import API_CALLS, DENIALS, INVALID_TENANT, TENANT_CONFLICT
+from flotilla.operator.tenancy.lora_limit import adapter_limit_refusal
 from flotilla.operator.tenancy.quota import Held, Key
 from flotilla.operator.tenancy.quota_review import Verdict, charge, review
 from flotilla.operator.tenancy.reservations import (
@@ -107,6 +113,39 @@ def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) ->
         "nothing was admitted, retry the request",
         code=LEDGER_BUSY,
     )
+
+
+@kopf.on.validate(GROUP, VERSION, LORA_ADAPTER.plural, id="lora-adapter", operations=["CREATE", "UPDATE"])
+def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, **_) -> None:
+    spec_raw = body.get("spec") or {}
+    if old and (old.get("spec") or {}) == spec_raw:
+        return  # the operator's own writes (finalizers, annotations, status)
+    _, problems = lora_adapter.check(spec_raw)
+    if problems:
+        DENIALS.labels("", problems[0].reason).inc()
+        raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {describe(problems)}", code=422)
+    if old:
+        return  # the limit counts objects: only a create adds one
+    ledger: QuotaLedger = memo.admission
+    world = ledger.world(services=False)
+    tenant = owner_of(namespace, world.tenants, world.labels).tenant
+    limit = world.tenants[tenant].max_lora_adapters if tenant in world.tenants else None
+    if tenant is None or limit is None:
+        return
+    owned = set(namespaces_owned(tenant, world.tenants, world.labels))
+    API_CALLS.labels(verb="list", resource=LORA_ADAPTER.plural).inc()
+    listed = memo.runtime.kube.custom.list_cluster_custom_object(GROUP, VERSION, LORA_ADAPTER.plural)
+    existing = [
+        (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        for obj in listed.get("items", [])
+        if obj["metadata"].get("namespace") in owned
+    ]
+    refusal = adapter_limit_refusal(
+        tenant=tenant, limit=limit, namespace=namespace, name=name, existing=existing
+    )
+    if refusal:
+        DENIALS.labels(tenant, "MaxLoRAAdaptersExceeded").inc()
+        raise kopf.AdmissionError(refusal, code=403)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,8 +269,8 @@ def webhook_definitions() -> list[dict]:
     from kopf._core.engines.admission import build_webhooks
 
     resources = [
-        references.Resource(GROUP, VERSION, kind.plural, kind=kind.kind, namespaced=kind is INFERENCE_SERVICE)
-        for kind in (INFERENCE_SERVICE, TENANT)
+        references.Resource(GROUP, VERSION, kind.plural, kind=kind.kind, namespaced=kind is not TENANT)
+        for kind in (INFERENCE_SERVICE, TENANT, LORA_ADAPTER)
     ]
     handlers = kopf.get_default_registry()._webhooks.get_all_handlers()  # noqa: SLF001
     hooks = build_webhooks(

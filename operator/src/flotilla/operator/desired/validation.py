@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from flotilla.contract import ENGINE_KNOBS
 from flotilla.operator.api.v1alpha1 import EngineSettings, InferenceServiceSpec
 from flotilla.operator.desired.model_source import ModelUriError, parse_model_uri
 from flotilla.operator.naming import GPU_TYPE_LABEL
@@ -131,6 +132,7 @@ def _engine_problems(engine: EngineSettings, path_exists: Callable[[str], bool] 
                 "InvalidQuantization",
             )
         )
+    problems += _lora_problems(engine, path_exists)
     speculative = engine.speculative
     if speculative is None:
         return problems
@@ -155,4 +157,65 @@ def _engine_problems(engine: EngineSettings, path_exists: Callable[[str], bool] 
         )
     elif speculative.model is not None:
         problems += _model_uri_problems(f"{field}.uri", speculative.model.uri, path_exists)
+    return problems
+
+
+# The engine's defaults for the LoRA sizes (flotilla.contract.ENGINE_KNOBS), for the rule between two of them.
+_DEFAULT_MAX_LORAS = ENGINE_KNOBS["max_loras"].default
+_DEFAULT_MAX_CPU_LORAS = ENGINE_KNOBS["max_cpu_loras"].default
+
+
+def _lora_problems(engine: EngineSettings, path_exists: Callable[[str], bool] | None) -> list[Problem]:
+    """spec.engine.lora's rules across fields: the engine's own (EngineConfig refuses them at start), worded
+    here so that the webhook refuses them before a pod crashes on them."""
+    lora = engine.lora
+    if lora is None:
+        return []
+    problems: list[Problem] = []
+    sizes = {
+        "maxLoras": lora.max_loras,
+        "maxLoraRank": lora.max_lora_rank,
+        "maxCpuLoras": lora.max_cpu_loras,
+        "adapterDir": lora.adapter_dir,
+    }
+    sized = [name for name, value in sizes.items() if value is not None]
+    if not lora.enabled:
+        if sized:
+            problems.append(
+                Problem(
+                    "spec.engine.lora.enabled",
+                    f"{', '.join(sized)} set while enabled is {'false' if lora.enabled is False else 'unset'}; "
+                    "set enabled: true to serve adapters, or leave the sizes out",
+                    "InvalidLoRA",
+                )
+            )
+        return problems
+    if engine.quantization not in (None, "none"):
+        problems.append(
+            Problem(
+                "spec.engine.lora.enabled",
+                f"true with quantization {engine.quantization!r}: LoRA adapters are served over an unquantized "
+                "base only (set quantization: none, or leave lora out)",
+                "InvalidLoRA",
+            )
+        )
+    max_loras = lora.max_loras if lora.max_loras is not None else _DEFAULT_MAX_LORAS
+    max_cpu = lora.max_cpu_loras if lora.max_cpu_loras is not None else _DEFAULT_MAX_CPU_LORAS
+    if max_cpu < max_loras:
+        problems.append(
+            Problem(
+                "spec.engine.lora.maxCpuLoras",
+                f"{max_cpu} is below maxLoras ({max_loras}): an adapter in a device slot is also kept in host "
+                "memory, so maxCpuLoras must be at least maxLoras",
+                "InvalidLoRA",
+            )
+        )
+    if lora.adapter_dir and path_exists is not None and not path_exists(lora.adapter_dir):
+        problems.append(
+            Problem(
+                "spec.engine.lora.adapterDir",
+                f"folder {lora.adapter_dir} does not exist on the nodes (it is mounted into every replica)",
+                "AdapterDirNotFound",
+            )
+        )
     return problems

@@ -6,6 +6,7 @@ with server-side apply, so every field written here is a field the operator owns
 from __future__ import annotations
 
 import base64
+import posixpath
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +169,23 @@ def draft_mount(spec: InferenceServiceSpec, config: OperatorConfig, image: str) 
     return model_mount(draft, config, image, DRAFT_MODEL)
 
 
+LORA_ADAPTERS_VOLUME = "lora-adapters"
+
+
+def lora_adapter_mount(spec: InferenceServiceSpec) -> ModelMount:
+    """spec.engine.lora.adapterDir, mounted read-only at its own path (a hostPath), so that a LoRAAdapter's
+    file:// source is the same path in the pod as on the node; nothing when unset or LoRA is off."""
+    lora = spec.engine.lora
+    if lora is None or not lora.enabled or not lora.adapter_dir:
+        return ModelMount(path="")
+    path = posixpath.normpath(lora.adapter_dir)
+    return ModelMount(
+        path=path,
+        volumes=[{"name": LORA_ADAPTERS_VOLUME, "hostPath": {"path": path, "type": "Directory"}}],
+        mounts=[{"name": LORA_ADAPTERS_VOLUME, "mountPath": path, "readOnly": True}],
+    )
+
+
 def _resources(spec: InferenceServiceSpec) -> dict:
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
@@ -220,6 +238,7 @@ def pod_template(
     mount = model_mount(parse_model_uri(spec.model.uri), config, image)
     draft = draft_mount(spec, config, image)
     models = [mount] if draft is None else [mount, draft]
+    lora = lora_adapter_mount(spec)
     container = {
         "name": "engine",
         "image": image,
@@ -250,6 +269,7 @@ def pod_template(
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
             *(m for model in models for m in model.mounts),
+            *lora.mounts,
         ],
     }
     pod_spec: dict = {
@@ -264,7 +284,11 @@ def pod_template(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *(v for model in models for v in model.volumes)],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            *(v for model in models for v in model.volumes),
+            *lora.volumes,
+        ],
     }
     init_containers = [init for model in models for init in model.init_containers]
     if init_containers:

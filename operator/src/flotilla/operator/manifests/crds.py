@@ -15,7 +15,15 @@ from typing import Any
 import yaml
 
 from flotilla.operator.api import inference_extension as gie
-from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, KINDS, TENANT, VERSION, Kind
+from flotilla.operator.api.v1alpha1 import (
+    GROUP,
+    INFERENCE_SERVICE,
+    KINDS,
+    LORA_ADAPTER,
+    TENANT,
+    VERSION,
+    Kind,
+)
 
 # Kubernetes forbids additionalProperties next to properties; unknown fields are pruned, and
 # kubectl's default strict field validation reports them to the user instead.
@@ -111,6 +119,15 @@ def _printer_columns(kind: Kind) -> list[dict[str, Any]]:
             {"name": "Namespaces", "type": "string", "jsonPath": ".spec.namespaces"},
             {"name": "Quota", "type": "string", "jsonPath": ".spec.gpuQuota"},
             {"name": "Allocated", "type": "string", "jsonPath": ".status.gpusAllocated"},
+            age,
+        ]
+    if kind is LORA_ADAPTER:
+        return [
+            {"name": "Service", "type": "string", "jsonPath": ".spec.inferenceService"},
+            {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+            {"name": "Loaded", "type": "integer", "jsonPath": ".status.loadedReplicas"},
+            {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
+            {"name": "Source", "type": "string", "priority": 1, "jsonPath": ".spec.source"},
             age,
         ]
     raise ValueError(kind.kind)

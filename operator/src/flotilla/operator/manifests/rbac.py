@@ -10,7 +10,7 @@ import yaml
 
 from flotilla.contract import ENGINE_TOKEN_SECRET
 from flotilla.operator.api import inference_extension as gie
-from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT
+from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, LORA_ADAPTER, TENANT
 from flotilla.operator.tenancy import rbac as tenant_rbac
 
 NAMESPACE = "flotilla-system"  # the operator's own; MANIFEST_FILE is rendered for it
@@ -36,6 +36,13 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
         "ownerReferences with blockOwnerDeletion",
     ),
     (GROUP, [TENANT.plural], ["get", "list", "watch"], "which tenant owns a namespace, and its quota"),
+    (
+        GROUP,
+        [LORA_ADAPTER.plural],
+        ["get", "list", "watch", "patch"],
+        "load adapters into replicas; the unload finalizer; the webhook counts a tenant's adapters",
+    ),
+    (GROUP, [f"{LORA_ADAPTER.plural}/status"], ["get", "patch"], "each replica's phase and the conditions"),
     ("apps", ["deployments"], ["get", "list", "watch", "create", "patch"], "engine pods; drift correction"),
     ("", ["services"], ["get", "list", "watch", "create", "patch"], "the service's stable address"),
     ("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch"], "drain safety"),

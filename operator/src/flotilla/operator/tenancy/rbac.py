@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from flotilla.operator.api import inference_extension as gie
-from flotilla.operator.api.v1alpha1 import API_VERSION, GROUP, INFERENCE_SERVICE, TENANT, TenantSpec
+from flotilla.operator.api.v1alpha1 import (
+    API_VERSION,
+    GROUP,
+    INFERENCE_SERVICE,
+    LORA_ADAPTER,
+    TENANT,
+    TenantSpec,
+)
 from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
 from flotilla.operator.tenancy.backstop import namespace_limits, resource_quota
 
@@ -33,6 +40,12 @@ MEMBER_RULES = [
         "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
     },
     {"apiGroups": [GROUP], "resources": [f"{INFERENCE_SERVICE.plural}/status"], "verbs": ["get"]},
+    {
+        "apiGroups": [GROUP],
+        "resources": [LORA_ADAPTER.plural],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    },
+    {"apiGroups": [GROUP], "resources": [f"{LORA_ADAPTER.plural}/status"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["pods", "pods/log", "events"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["resourcequotas"], "verbs": ["get", "list"]},
     # The pools their HTTPRoutes reference; the operator owns them, so members may only read them.

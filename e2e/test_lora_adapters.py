@@ -1,0 +1,171 @@
+"""LoRAAdapters on the real local cluster: the operator (under its least-privilege ServiceAccount) loads an
+adapter into the ready replica of its base InferenceService (the real engine, CPU, a random-weight tiny
+model), the replica serves `model: <adapter>`, a replica that replaces a deleted pod gets the adapter
+again, so does an engine that lost it while the operator was down, and deleting the adapter unloads it. A
+source the operator cannot read is refused in status."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flotilla.cluster.handle import ClusterHandle, wait_for
+from flotilla.operator.cmd.local import (
+    OperatorProcess,
+    complete,
+    inference_service,
+    install_manifests,
+    service_account_kubeconfig,
+    tiny_model,
+)
+
+pytestmark = pytest.mark.cluster
+
+BASE = "base"
+ADAPTER = "sql"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: ClusterHandle, tmp_path_factory) -> Iterator[OperatorProcess]:
+    install_manifests(cluster)
+    workdir = tmp_path_factory.mktemp("operator")
+    kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
+    proc = OperatorProcess(kubeconfig, workdir / "operator.log")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_llama: Path, tmp_path_factory) -> Path:
+    """A PEFT folder of rank 8 on every decoder linear layer of the tiny model (no PEFT needed)."""
+    from flotilla.bench.engine.lora import write_random_adapter
+    from flotilla.engine.model.config import ModelConfig
+
+    folder = tmp_path_factory.mktemp("adapters") / ADAPTER
+    write_random_adapter(folder, ModelConfig.from_file(tiny_llama / "config.json"), rank=8, seed=1)
+    return folder
+
+
+def _adapter(name: str, source: str, service: str = BASE) -> str:
+    body = {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": name},
+        "spec": {"inferenceService": service, "source": source},
+    }
+    return yaml.safe_dump(body)
+
+
+def _get(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> dict | None:
+    result = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def _conditions(obj: dict | None) -> dict[str, dict]:
+    return {c["type"]: c for c in ((obj or {}).get("status") or {}).get("conditions") or []}
+
+
+def _ready_pods(cluster: ClusterHandle, namespace: str) -> list[dict]:
+    items = cluster.get_json("pods", "-n", namespace, "-l", f"flotilla.dev/inferenceservice={BASE}")["items"]
+    return [
+        p
+        for p in items
+        if not p["metadata"].get("deletionTimestamp")
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+    ]
+
+
+def _served(endpoint: str) -> dict[str, str]:
+    """The adapters the engine at this OpenAI base URL lists: name -> folder."""
+    try:
+        with urllib.request.urlopen(f"{endpoint}/models", timeout=10) as rsp:
+            data = json.loads(rsp.read())["data"]
+    except OSError:
+        return {}
+    return {m["id"]: m["root"] for m in data if m.get("parent")}
+
+
+def _post(url: str, body: dict) -> int:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as rsp:
+        return rsp.status
+
+
+def _loaded_in(cluster: ClusterHandle, namespace: str, pod: str) -> dict | None:
+    obj = _get(cluster, "loraadapter", ADAPTER, namespace)
+    ready = _conditions(obj).get("Ready", {}).get("status") == "True"
+    replicas = ((obj or {}).get("status") or {}).get("replicas") or []
+    return obj if ready and [(r["pod"], r["phase"]) for r in replicas] == [(pod, "Loaded")] else None
+
+
+def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
+    cluster, operator, namespace, tiny_llama, adapter_dir
+):
+    # The replicas see the node folder adapterDir names (mounted at its own path), which holds the adapter.
+    lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(adapter_dir.parent)}
+    engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
+    cluster.apply(yaml.safe_dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace)
+
+    # A source the operator cannot read is refused in status, naming the field and what is accepted.
+    cluster.apply(_adapter("remote", "hf://org/adapter"), namespace)
+    valid = wait_for(
+        lambda: _conditions(_get(cluster, "loraadapter", "remote", namespace)).get("Valid"), 60, "Valid"
+    )
+    assert valid["status"] == "False" and "spec.source" in valid["message"], valid
+    assert "hf://org/adapter" in valid["message"] and "file:///" in valid["message"], valid
+
+    # Applied before the base is ready: it waits (Ready False), then loads when the replica is.
+    cluster.apply(_adapter(ADAPTER, f"file://{adapter_dir}"), namespace)
+    (pod,) = wait_for(lambda: _ready_pods(cluster, namespace), 300, "the base service's ready replica")
+    name = pod["metadata"]["name"]
+    endpoint = f"http://{pod['status']['podIP']}:8000/v1"
+    obj = wait_for(lambda: _loaded_in(cluster, namespace, name), 120, f"{ADAPTER} Loaded in {name}")
+    assert obj["status"]["loadedReplicas"] == 1 and obj["status"]["readyReplicas"] == 1
+    assert _served(endpoint) == {ADAPTER: str(adapter_dir)}
+
+    answer = complete(endpoint, model=ADAPTER)
+    assert answer["model"] == ADAPTER and isinstance(answer["choices"][0]["text"], str)
+    assert complete(endpoint, model="tiny")["model"] == "tiny"  # the base, beside it
+
+    # The engine pod is killed: the Deployment's new pod gets the adapter without anyone re-applying it.
+    cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")
+    (new,) = wait_for(
+        lambda: [p for p in _ready_pods(cluster, namespace) if p["metadata"]["name"] != name] or None,
+        300,
+        "a new ready replica",
+    )
+    new_name = new["metadata"]["name"]
+    new_endpoint = f"http://{new['status']['podIP']}:8000/v1"
+    wait_for(lambda: ADAPTER in _served(new_endpoint), 60, f"{ADAPTER} reloaded into {new_name}")
+    wait_for(lambda: _loaded_in(cluster, namespace, new_name), 60, f"status: {ADAPTER} Loaded in {new_name}")
+    assert complete(new_endpoint, model=ADAPTER)["model"] == ADAPTER
+
+    # The operator is down while the engine forgets the adapter (unloaded behind its back): once back, the
+    # operator finds it missing and loads it again.
+    operator.stop()
+    _post(f"{new_endpoint}/unload_lora_adapter", {"lora_name": ADAPTER})
+    assert ADAPTER not in _served(new_endpoint)
+    operator.start()
+    wait_for(lambda: ADAPTER in _served(new_endpoint), 60, f"{ADAPTER} reloaded after the operator's restart")
+
+    # Deleted: the finalizer unloads it from the replica before the object goes.
+    cluster.kubectl("delete", "loraadapter", ADAPTER, "-n", namespace, "--timeout=60s")
+    assert _get(cluster, "loraadapter", ADAPTER, namespace) is None
+    assert ADAPTER not in _served(new_endpoint)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        complete(new_endpoint, model=ADAPTER)
+    assert refused.value.code == 404

@@ -1,0 +1,47 @@
+"""An engine pod's LoRA adapter API (docs/lora.md): GET /v1/models, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter, by pod IP (as engine_metrics.py scrapes: the figures are per replica).
+
+Each call answers (status code, body text); 0 with the error's text when the engine did not answer. The
+decisions on those answers are desired/lora_adapter.py's. These endpoints take no tenant header, so the
+internal engine token is not sent (engines check it only for a request's tenant header).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+LIST_TIMEOUT = 5.0
+# Loading reads and checks the adapter's whole folder before it answers.
+LOAD_TIMEOUT = 60.0
+
+
+def _call(method: str, url: str, timeout: float, body: dict | None = None) -> tuple[int, str]:
+    try:
+        rsp = httpx.request(method, url, json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
+    return rsp.status_code, rsp.text
+
+
+def list_models(base_url: str) -> tuple[int, dict | None]:
+    """GET {base_url}/models (base_url: the OpenAI base, http://ip:port/v1): the listing, or None."""
+    code, text = _call("GET", f"{base_url}/models", LIST_TIMEOUT)
+    if code != 200:
+        return code, None
+    try:
+        listing = json.loads(text)
+    except ValueError:
+        return code, None
+    return code, listing if isinstance(listing, dict) else None
+
+
+def load(base_url: str, name: str, path: str) -> tuple[int, str]:
+    return _call(
+        "POST", f"{base_url}/load_lora_adapter", LOAD_TIMEOUT, {"lora_name": name, "lora_path": path}
+    )
+
+
+def unload(base_url: str, name: str) -> tuple[int, str]:
+    return _call("POST", f"{base_url}/unload_lora_adapter", LIST_TIMEOUT, {"lora_name": name})

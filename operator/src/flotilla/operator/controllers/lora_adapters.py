@@ -1,0 +1,166 @@
+"""LoRAAdapter handlers: load each adapter into every ready replica of its base InferenceService, keep it
+there, and unload it when the object goes (docs/lora.md, "In the fleet").
+
+One round (`_round`) reads the base service and its ready pods from the indexes, asks each pod's engine
+what it serves (GET /v1/models), loads what is missing (or reloads what came from another folder), and
+writes the status desired/lora_adapter.py computes from the answers. A round runs when the object is
+created, changed or found at start-up, and on a timer: that is how a replica that became ready, or an
+engine that restarted and forgot its adapters, gets the adapter again, and how the operator converges
+after its own restart. Deleting the object unloads it from every ready replica first (kopf's finalizer);
+an engine that answers 409 (requests still use the adapter) is asked again later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import kopf
+
+from flotilla import timestamps
+from flotilla.operator.api.v1alpha1 import GROUP, LORA_ADAPTER, VERSION
+from flotilla.operator.clients import engine_lora
+from flotilla.operator.controllers import indexes
+from flotilla.operator.controllers.indexes import index_one, plain
+from flotilla.operator.controllers.state import Runtime
+from flotilla.operator.desired import lora_adapter as desired
+from flotilla.operator.desired.lora_adapter import Outcome, Replica, Step, Unload
+from flotilla.operator.desired.validation import describe
+
+log = logging.getLogger("flotilla.operator.lora")
+
+LORA = (GROUP, VERSION, LORA_ADAPTER.plural)
+# How often each adapter's replicas are checked (GET /v1/models per ready pod): the longest a new replica or
+# a restarted engine goes without the adapter.
+RESYNC_SECONDS = 10.0
+# Unload attempts on delete before the finalizer lets go (an engine that keeps refusing or never answers).
+MAX_UNLOAD_RETRIES = 30
+
+
+def _lock(rt: Runtime, key: tuple[str, str]) -> threading.Lock:
+    """One round at a time per adapter: the timer and the change handlers run on different threads."""
+    with rt.lock:
+        return rt.lora_locks.setdefault(key, threading.Lock())
+
+
+def _replicas(kwargs: dict, namespace: str, service: str) -> list[Replica]:
+    store = indexes.of(kwargs)["pods"].get((namespace, service))
+    return desired.ready_replicas(list(store) if store is not None else [])
+
+
+def _converge(name: str, path: str, replica: Replica) -> Outcome:
+    """One replica's round: what its engine serves, then the one call that makes it serve `path`."""
+    code, listing = engine_lora.list_models(replica.url)
+    if listing is None:
+        return Outcome(desired.LOADING, "EngineUnreachable", f"GET /v1/models answered {code or 'nothing'}")
+    served = desired.served_adapters(listing)
+    step = desired.step(name, path, served)
+    if step is Step.NOTHING:
+        return Outcome(desired.LOADED, "Loaded", f"loaded from {path}")
+    if step is Step.RELOAD:
+        code, text = engine_lora.unload(replica.url, name)
+        if desired.unload_outcome(code) is not Unload.DONE:
+            return Outcome(
+                desired.LOADING,
+                "Reloading",
+                f"loaded from {served[name]}; its unload answered {code}: {text}",
+            )
+    code, text = engine_lora.load(replica.url, name, path)
+    after = None
+    if code != 200:
+        _, listing = engine_lora.list_models(replica.url)
+        after = desired.served_adapters(listing) if listing is not None else None
+    outcome = desired.load_outcome(code, text, after, name, path)
+    if outcome.phase == desired.LOADED:
+        log.info("LoRA adapter %s loaded into %s from %s", name, replica.pod, path)
+    return outcome
+
+
+def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
+    meta = body.get("metadata") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    if meta.get("deletionTimestamp"):
+        return
+    with _lock(rt, (namespace, name)):
+        spec, problems = desired.check(body.get("spec") or {})
+        invalid = describe(problems) if problems else None
+        blocked, outcomes, ready = None, {}, 0
+        if spec is not None and invalid is None:
+            path = desired.adapter_path(spec.source)
+            base = index_one(indexes.of(kwargs)["services"], (namespace, spec.inference_service))
+            blocked = desired.base_problem(name, namespace, spec.inference_service, base, path)
+            if blocked is None:
+                replicas = _replicas(kwargs, namespace, spec.inference_service)
+                ready = len(replicas)
+                outcomes = {r.pod: _converge(name, path, r) for r in replicas}
+        previous = plain(body.get("status") or {})
+        new = desired.status(
+            name=name,
+            generation=meta.get("generation"),
+            invalid=invalid,
+            blocked=blocked,
+            outcomes=outcomes,
+            ready_count=ready,
+            previous=previous,
+            now=timestamps.now(),
+        )
+        new = {k: v for k, v in new.items() if v is not None}
+        if any(previous.get(k) != v for k, v in new.items()):
+            patch["status"] = new
+
+
+@kopf.on.resume(*LORA)
+@kopf.on.create(*LORA)
+@kopf.on.update(*LORA)
+def reconcile(body: kopf.Body, old, patch: kopf.Patch, memo: kopf.Memo, **kwargs) -> None:
+    rt: Runtime = memo.runtime
+    new_body = plain(body)
+    moved_from = ((old or {}).get("spec") or {}).get("inferenceService")
+    if moved_from and moved_from != (new_body.get("spec") or {}).get("inferenceService"):
+        # The adapter moved to another base service: the old one's replicas let it go (best effort; an
+        # engine that still holds it serves it under a name no object owns until it restarts).
+        namespace, name = new_body["metadata"]["namespace"], new_body["metadata"]["name"]
+        for replica in _replicas(kwargs, namespace, moved_from):
+            engine_lora.unload(replica.url, name)
+    _round(rt, new_body, patch, kwargs)
+
+
+@kopf.timer(*LORA, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs) -> None:
+    _round(memo.runtime, plain(body), patch, kwargs)
+
+
+@kopf.on.delete(*LORA)
+def unload(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs) -> None:
+    """Unload from every ready replica before the object goes; 409 (in use) and no answer are retried."""
+    meta = body.get("metadata") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    spec, problems = desired.check(plain(body.get("spec") or {}))
+    if spec is None or problems:
+        return  # never loaded anywhere
+    pending = []
+    with _lock(memo.runtime, (namespace, name)):
+        for replica in _replicas(kwargs, namespace, spec.inference_service):
+            code, text = engine_lora.unload(replica.url, name)
+            outcome = desired.unload_outcome(code)
+            if outcome is Unload.RETRY:
+                pending.append(f"{replica.pod} ({code or 'no answer'}: {text.strip()[:200]})")
+            elif outcome is Unload.FAILED:
+                log.warning(
+                    "LoRA adapter %s/%s: %s refused its unload (%d): %s",
+                    namespace,
+                    name,
+                    replica.pod,
+                    code,
+                    text,
+                )
+            else:
+                log.info("LoRA adapter %s/%s unloaded from %s", namespace, name, replica.pod)
+    if pending and retry < MAX_UNLOAD_RETRIES:
+        raise kopf.TemporaryError(
+            f"not unloaded yet from {', '.join(pending)}", delay=2 if retry < 10 else 10
+        )
+    if pending:
+        log.warning("LoRA adapter %s/%s: giving up unloading from %s", namespace, name, ", ".join(pending))
+    with memo.runtime.lock:
+        memo.runtime.lora_locks.pop((namespace, name), None)

@@ -1,0 +1,293 @@
+"""Desired state of a LoRAAdapter: pure decisions from its spec, its base InferenceService, the base's ready
+replicas and what each replica's engine says it serves (GET /v1/models) to the calls to make (load,
+reload, nothing) and to the adapter's status. No I/O here: controllers/lora_adapters.py makes the calls
+(clients/engine_lora.py) and writes the status this module computes.
+
+The adapter's name in the engine (the `model` requests send) is the object's name: the base service is in
+the same namespace, so two adapters of one engine never share a name.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
+
+from flotilla.contract import engine_base_url
+from flotilla.operator.api.v1alpha1 import (
+    LORA_SOURCE_SCHEMES,
+    AdapterReplica,
+    Condition,
+    InferenceServiceSpec,
+    LoRAAdapterSpec,
+)
+from flotilla.operator.desired.validation import Problem
+
+VALID = "Valid"
+READY = "Ready"
+
+LOADING, LOADED, FAILED = "Loading", "Loaded", "Failed"
+
+
+# -- the spec -------------------------------------------------------------------------------------------------
+def adapter_path(source: str) -> str:
+    """The folder a `file:///abs/path` source names, normalized as the engine reports it; ValueError naming
+    the field, the value and what is accepted otherwise."""
+    accepted = (
+        "accepted: file:///absolute/path (a folder on the node); pvc, hf and http sources are later work"
+    )
+    parts = urlsplit(source)
+    if parts.scheme not in LORA_SOURCE_SCHEMES:
+        scheme = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+        raise ValueError(f"spec.source {source!r}: {scheme} is not supported; {accepted}")
+    if parts.netloc or not parts.path.startswith("/") or parts.query or parts.fragment:
+        raise ValueError(f"spec.source {source!r}: not a file URI of an absolute path; {accepted}")
+    return posixpath.normpath(parts.path)
+
+
+def check(raw: Mapping) -> tuple[LoRAAdapterSpec | None, list[Problem]]:
+    """The typed spec (None when it does not parse) and every problem with it: the webhook's refusals and
+    the Valid condition, worded alike."""
+    try:
+        spec = LoRAAdapterSpec.model_validate(dict(raw or {}))
+    except ValidationError as exc:
+        problems = [
+            Problem("spec." + ".".join(str(p) for p in err["loc"]), err["msg"], "InvalidSpec")
+            for err in exc.errors()
+        ]
+        return None, problems
+    try:
+        adapter_path(spec.source)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(" ")
+        return spec, [Problem(field, message, "InvalidSource")]
+    return spec, []
+
+
+def base_problem(
+    name: str, namespace: str, service: str, base: Mapping | None, path: str
+) -> tuple[str, str] | None:
+    """Why the base service cannot take the adapter from `path`, as (reason, message); None when it can. Its
+    replicas see only the node folder its spec.engine.lora.adapterDir mounts, so the path must lie under it."""
+    if base is None:
+        return "BaseServiceNotFound", f"InferenceService {namespace}/{service} does not exist"
+    try:
+        spec = InferenceServiceSpec.model_validate(base.get("spec") or {})
+    except ValidationError:
+        return "BaseServiceInvalid", f"InferenceService {namespace}/{service} has a spec that does not parse"
+    if spec.engine.lora is None or not spec.engine.lora.enabled:
+        return (
+            "LoRANotEnabled",
+            f"InferenceService {namespace}/{service} does not serve adapters: set its spec.engine.lora.enabled "
+            "to true",
+        )
+    folder = spec.engine.lora.adapter_dir
+    if not folder:
+        return (
+            "NoAdapterDir",
+            f"InferenceService {namespace}/{service} sets no spec.engine.lora.adapterDir, so its replicas see no "
+            f"node folder to load spec.source {path} from: set it to a folder on the nodes that holds the adapter",
+        )
+    folder = posixpath.normpath(folder)
+    if posixpath.commonpath([folder, path]) != folder or path == folder:
+        return (
+            "SourceOutsideAdapterDir",
+            f"spec.source {path} is not under {folder}, the spec.engine.lora.adapterDir of InferenceService "
+            f"{namespace}/{service}: its replicas see only that folder",
+        )
+    served = spec.model.served_name or service
+    if served == name:
+        return (
+            "NameTaken",
+            f"the adapter's name {name!r} is the served model name of InferenceService {namespace}/{service}; "
+            "requests could not tell them apart: name the LoRAAdapter otherwise",
+        )
+    return None
+
+
+# -- the replicas ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Replica:
+    """A ready engine pod of the base service: its name and its OpenAI base URL."""
+
+    pod: str
+    url: str
+
+
+def ready_replicas(pods: Iterable[Mapping]) -> list[Replica]:
+    """The ready, not terminating pods (as the operator's pod index holds them), by name."""
+    out = []
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
+        if ready and status.get("podIP") and meta.get("name") and not meta.get("deletionTimestamp"):
+            out.append(Replica(meta["name"], engine_base_url(status["podIP"])))
+    return sorted(out, key=lambda r: r.pod)
+
+
+def served_adapters(models: Mapping) -> dict[str, str]:
+    """GET /v1/models' adapters: name -> folder (entries with a parent are adapters)."""
+    return {
+        m["id"]: posixpath.normpath(str(m.get("root") or ""))
+        for m in models.get("data") or []
+        if isinstance(m, Mapping) and m.get("parent") and m.get("id")
+    }
+
+
+class Step(Enum):
+    NOTHING = "nothing"  # served from this folder already
+    LOAD = "load"
+    RELOAD = "reload"  # served from another folder (the source changed): unload, then load
+
+
+def step(name: str, path: str, served: Mapping[str, str]) -> Step:
+    if name not in served:
+        return Step.LOAD
+    return Step.NOTHING if served[name] == path else Step.RELOAD
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one replica's round came to: a phase and why."""
+
+    phase: str
+    reason: str = ""
+    message: str = ""
+
+
+def load_outcome(
+    code: int, message: str, served_after: Mapping[str, str] | None, name: str, path: str
+) -> Outcome:
+    """The outcome of POST /v1/load_lora_adapter (code 0: no answer). A 400 may be a load that raced another
+    (the name is taken, by this very folder): `served_after` is the listing read after it."""
+    if code == 200:
+        return Outcome(LOADED, "Loaded", f"loaded from {path}")
+    if served_after is not None and served_after.get(name) == path:
+        return Outcome(LOADED, "Loaded", f"loaded from {path}")
+    if 400 <= code < 500 and code not in (408, 429):
+        return Outcome(FAILED, "LoadRefused", f"the engine refused the adapter ({code}): {message}")
+    # Unanswered, 5xx, or busy: the engine may be starting or overloaded; the next round tries again.
+    return Outcome(LOADING, "LoadPending", f"not loaded yet ({code or 'no answer'}): {message}"[:1024])
+
+
+def replica_entries(
+    outcomes: Mapping[str, Outcome], previous: Sequence[Mapping], now: str
+) -> list[AdapterReplica]:
+    """status.replicas, one entry per replica in `outcomes`, keeping an entry's lastTransitionTime while its
+    phase stays (so that a round that changes nothing writes nothing)."""
+    before = {p.get("pod"): p for p in previous if isinstance(p, Mapping)}
+    out = []
+    for pod in sorted(outcomes):
+        outcome = outcomes[pod]
+        old = before.get(pod) or {}
+        since = old.get("lastTransitionTime") if old.get("phase") == outcome.phase else None
+        out.append(
+            AdapterReplica(
+                pod=pod,
+                phase=outcome.phase,  # type: ignore[arg-type]
+                reason=outcome.reason,
+                message=outcome.message,
+                last_transition_time=since or now,
+            )
+        )
+    return out
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str, generation: int | None) -> Condition:
+    return Condition(
+        type=type_,
+        status="True" if ok else "False",
+        reason=reason,
+        message=message,
+        observed_generation=generation,
+    )
+
+
+def conditions(
+    *,
+    invalid: str | None,
+    blocked: tuple[str, str] | None,
+    replicas: Sequence[AdapterReplica],
+    generation: int | None,
+) -> list[Condition]:
+    """Valid (the spec), and Ready: True when the adapter is loaded in every ready replica, of which there is
+    at least one."""
+    valid = _condition(VALID, invalid is None, "Invalid" if invalid else "Valid", invalid or "", generation)
+    if invalid is not None:
+        return [valid, _condition(READY, False, "Invalid", invalid, generation)]
+    if blocked is not None:
+        return [valid, _condition(READY, False, blocked[0], blocked[1], generation)]
+    if not replicas:
+        return [
+            valid,
+            _condition(READY, False, "NoReadyReplicas", "the base service has no ready replica", generation),
+        ]
+    failed = [r for r in replicas if r.phase == FAILED]
+    waiting = [r for r in replicas if r.phase == LOADING]
+    if failed:
+        first = failed[0]
+        message = f"{len(failed)} of {len(replicas)} replicas failed to load it; {first.pod}: {first.message}"
+        return [valid, _condition(READY, False, "LoadFailed", message, generation)]
+    if waiting:
+        message = f"loaded in {len(replicas) - len(waiting)} of {len(replicas)} ready replicas"
+        return [valid, _condition(READY, False, "Loading", message, generation)]
+    return [
+        valid,
+        _condition(READY, True, "Loaded", f"loaded in all {len(replicas)} ready replicas", generation),
+    ]
+
+
+def with_transition_times(new: Sequence[Condition], previous: Sequence[Mapping], now: str) -> list[dict]:
+    """The conditions as the API stores them, a condition's lastTransitionTime kept while its status stays."""
+    before = {c.get("type"): c for c in previous if isinstance(c, Mapping)}
+    out = []
+    for cond in new:
+        old = before.get(cond.type) or {}
+        since = old.get("lastTransitionTime") if old.get("status") == cond.status else None
+        out.append(cond.model_copy(update={"last_transition_time": since or now}).to_wire())
+    return out
+
+
+def status(
+    *,
+    name: str,
+    generation: int | None,
+    invalid: str | None,
+    blocked: tuple[str, str] | None,
+    outcomes: Mapping[str, Outcome],
+    ready_count: int,
+    previous: Mapping,
+    now: str,
+) -> dict:
+    """The whole status (a merge patch replaces its lists): computed from this round alone."""
+    replicas = replica_entries(outcomes, previous.get("replicas") or [], now)
+    conds = conditions(invalid=invalid, blocked=blocked, replicas=replicas, generation=generation)
+    return {
+        "observedGeneration": generation,
+        "conditions": with_transition_times(conds, previous.get("conditions") or [], now),
+        "replicas": [r.to_wire() for r in replicas],
+        "loadedReplicas": sum(r.phase == LOADED for r in replicas),
+        "readyReplicas": ready_count,
+        "servedName": name,
+    }
+
+
+# -- deletion -------------------------------------------------------------------------------------------------
+class Unload(Enum):
+    DONE = "done"  # unloaded, or not loaded there
+    RETRY = "retry"  # in use by unfinished requests (409), or the engine did not answer: try again later
+    FAILED = "failed"  # refused otherwise: nothing to retry
+
+
+def unload_outcome(code: int) -> Unload:
+    if code in (200, 404):
+        return Unload.DONE
+    if code == 0 or code == 409 or code >= 500 or code == 429:
+        return Unload.RETRY
+    return Unload.FAILED

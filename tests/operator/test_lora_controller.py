@@ -1,0 +1,189 @@
+"""The LoRAAdapter handlers (controllers/lora_adapters.py) and the webhook's review of adapters, run without
+kopf's loop or a cluster: a fake engine per pod in place of clients/engine_lora.py, plain dicts for kopf's
+indexes, patch and memo."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import kopf
+import pytest
+
+from flotilla.operator.api.v1alpha1 import TenantSpec
+from flotilla.operator.clients.quota_ledger import World
+from flotilla.operator.config import OperatorConfig
+from flotilla.operator.controllers import lora_adapters, webhook_reviews
+from flotilla.operator.controllers.state import Runtime
+
+NS, BASE, NAME = "team-a", "base", "sql"
+SOURCE = "file:///adapters/sql"
+
+
+class FakeEngine:
+    """One engine pod's adapter API: what it serves, and the answers it is told to give."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, str] = {}
+        self.load_code = 200
+        self.unload_codes: list[int] = []  # answered in turn, then 200/404
+        self.calls: list[tuple[str, str]] = []
+
+
+@pytest.fixture
+def engines(monkeypatch) -> dict[str, FakeEngine]:
+    by_url: dict[str, FakeEngine] = {}
+
+    def engine(url: str) -> FakeEngine:
+        return by_url.setdefault(url, FakeEngine())
+
+    def list_models(url):
+        e = engine(url)
+        data = [{"id": "tiny", "root": "tiny", "parent": None}]
+        data += [{"id": n, "root": p, "parent": "tiny"} for n, p in e.served.items()]
+        return 200, {"object": "list", "data": data}
+
+    def load(url, name, path):
+        e = engine(url)
+        e.calls.append(("load", name))
+        if e.load_code != 200:
+            return e.load_code, "refused"
+        if name in e.served:
+            return 400, "already loaded"
+        e.served[name] = path
+        return 200, "Success"
+
+    def unload(url, name):
+        e = engine(url)
+        e.calls.append(("unload", name))
+        if e.unload_codes:
+            return e.unload_codes.pop(0), "in use by 1 request"
+        return (200, "Success") if e.served.pop(name, None) else (404, "not loaded")
+
+    client = lora_adapters.engine_lora
+    monkeypatch.setattr(client, "list_models", list_models)
+    monkeypatch.setattr(client, "load", load)
+    monkeypatch.setattr(client, "unload", unload)
+    return SimpleNamespace(of=engine)  # type: ignore[return-value]
+
+
+def _pod(name: str, ip: str) -> dict:
+    return {
+        "metadata": {"name": name},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def _indexes(pods: list[dict], lora: bool = True) -> dict:
+    base = {
+        "spec": {
+            "model": {"uri": "file:///models/tiny", "servedName": "tiny"},
+            "engine": {"lora": {"enabled": lora, "adapterDir": "/adapters"}},
+        }
+    }
+    return {"services": {(NS, BASE): [base]}, "pods": {(NS, BASE): pods}}
+
+
+def _body(source: str = SOURCE, status: dict | None = None) -> dict:
+    return {
+        "metadata": {"namespace": NS, "name": NAME, "generation": 1},
+        "spec": {"inferenceService": BASE, "source": source},
+        "status": status or {},
+    }
+
+
+def _memo() -> SimpleNamespace:
+    return SimpleNamespace(runtime=Runtime(config=OperatorConfig(), kube=None))  # type: ignore[arg-type]
+
+
+def _round(memo, body: dict, indexes: dict) -> dict:
+    patch: dict = {}
+    lora_adapters.resync(body=body, patch=patch, memo=memo, **indexes)
+    return patch.get("status", {})
+
+
+def test_a_round_loads_into_every_ready_replica_and_a_later_one_writes_nothing(engines) -> None:
+    memo, pods = _memo(), [_pod("p0", "127.7.0.1"), _pod("p1", "127.7.0.2")]
+    status = _round(memo, _body(), _indexes(pods))
+    assert [(r["pod"], r["phase"]) for r in status["replicas"]] == [("p0", "Loaded"), ("p1", "Loaded")]
+    assert engines.of("http://127.7.0.1:8000/v1").served == {NAME: "/adapters/sql"}
+    assert engines.of("http://127.7.0.2:8000/v1").served == {NAME: "/adapters/sql"}
+    assert _round(memo, _body(status=status), _indexes(pods)) == {}  # converged: no call, no write
+    assert engines.of("http://127.7.0.1:8000/v1").calls == [("load", NAME)]
+
+
+def test_a_restarted_engine_or_a_new_replica_gets_it_again_and_a_changed_source_reloads(engines) -> None:
+    memo, pods = _memo(), [_pod("p0", "127.7.0.1")]
+    status = _round(memo, _body(), _indexes(pods))
+    engines.of("http://127.7.0.1:8000/v1").served.clear()  # the engine restarted: it forgot the adapter
+    pods.append(_pod("p1", "127.7.0.2"))  # and a replica became ready
+    status = _round(memo, _body(status=status), _indexes(pods))
+    assert [r["phase"] for r in status["replicas"]] == ["Loaded", "Loaded"]
+    assert engines.of("http://127.7.0.1:8000/v1").calls == [("load", NAME), ("load", NAME)]
+    _round(memo, _body("file:///adapters/sql-v2", status), _indexes(pods))
+    assert engines.of("http://127.7.0.2:8000/v1").served == {NAME: "/adapters/sql-v2"}
+    assert engines.of("http://127.7.0.2:8000/v1").calls[-2:] == [("unload", NAME), ("load", NAME)]
+
+
+def test_a_refused_load_is_failed_and_a_base_without_lora_is_not_asked(engines) -> None:
+    memo = _memo()
+    engines.of("http://127.7.0.1:8000/v1").load_code = 400
+    status = _round(memo, _body(), _indexes([_pod("p0", "127.7.0.1")]))
+    assert status["replicas"][0]["phase"] == "Failed" and "refused" in status["replicas"][0]["message"]
+    engine = engines.of("http://127.7.0.9:8000/v1")
+    status = _round(memo, _body(), _indexes([_pod("p9", "127.7.0.9")], lora=False))
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert ready["reason"] == "LoRANotEnabled" and engine.calls == []
+
+
+def test_delete_unloads_and_retries_while_the_adapter_is_in_use(engines) -> None:
+    memo, pods = _memo(), [_pod("p0", "127.7.0.1")]
+    _round(memo, _body(), _indexes(pods))
+    engine = engines.of("http://127.7.0.1:8000/v1")
+    engine.unload_codes = [409]
+    with pytest.raises(kopf.TemporaryError, match="p0 \\(409"):
+        lora_adapters.unload(body=_body(), retry=0, memo=memo, **_indexes(pods))
+    assert engine.served == {NAME: "/adapters/sql"}
+    lora_adapters.unload(body=_body(), retry=1, memo=memo, **_indexes(pods))
+    assert engine.served == {}
+    lora_adapters.unload(body=_body(), retry=0, memo=memo, **_indexes(pods))  # 404: already gone, done
+
+
+# -- the webhook ------------------------------------------------------------------------------------------------
+class FakeLedger:
+    def __init__(self, tenants: dict[str, TenantSpec]) -> None:
+        self.tenants = tenants
+
+    def world(self, *, services: bool = True) -> World:
+        return World(tenants=self.tenants, labels={NS: {}, "team-b": {}})
+
+
+def _webhook_memo(limit: int | None, stored: list[tuple[str, str]]) -> SimpleNamespace:
+    tenants = {"acme": TenantSpec.model_validate({"namespaces": [NS], "maxLoRAAdapters": limit})}
+    items = [{"metadata": {"namespace": ns, "name": n}} for ns, n in stored]
+    custom = SimpleNamespace(list_cluster_custom_object=lambda *a: {"items": items})
+    return SimpleNamespace(
+        admission=FakeLedger(tenants), runtime=SimpleNamespace(kube=SimpleNamespace(custom=custom))
+    )
+
+
+def _admit(
+    memo, name: str = NAME, source: str = SOURCE, old: dict | None = None, namespace: str = NS
+) -> None:
+    body = {"spec": {"inferenceService": BASE, "source": source}}
+    webhook_reviews.admit_adapter(body=body, old=old, namespace=namespace, name=name, memo=memo)
+
+
+def test_the_webhook_refuses_a_bad_source_and_an_adapter_past_the_tenants_limit() -> None:
+    with pytest.raises(
+        kopf.AdmissionError, match="spec.source: 'hf://org/x': scheme 'hf' is not supported"
+    ) as refused:
+        _admit(_webhook_memo(None, []), source="hf://org/x")
+    assert refused.value.code == 422
+    memo = _webhook_memo(2, [(NS, "one"), (NS, "two"), ("team-b", "other")])
+    with pytest.raises(kopf.AdmissionError, match="tenant acme: .* maxLoRAAdapters is 2") as refused:
+        _admit(memo)
+    assert refused.value.code == 403
+    _admit(memo, name="one")  # the stored one, applied again
+    _admit(memo, old={"spec": {"inferenceService": BASE, "source": "file:///old"}})  # an update adds none
+    _admit(memo, namespace="team-b")  # no tenant owns team-b
+    _admit(_webhook_memo(3, [(NS, "one"), (NS, "two")]))
