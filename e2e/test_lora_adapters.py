@@ -143,11 +143,13 @@ def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
 
     # The engine pod is killed: the Deployment's new pod gets the adapter without anyone re-applying it.
     cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")
-    (new,) = wait_for(
+    replaced = wait_for(
         lambda: [p for p in _ready_pods(cluster, namespace) if p["metadata"]["name"] != name] or None,
         300,
         "a new ready replica",
     )
+    assert replaced is not None
+    (new,) = replaced
     new_name = new["metadata"]["name"]
     new_endpoint = f"http://{new['status']['podIP']}:8000/v1"
     wait_for(lambda: ADAPTER in _served(new_endpoint), 60, f"{ADAPTER} reloaded into {new_name}")

@@ -63,14 +63,14 @@ ON = {"enabled": True, "adapterDir": "/adapters"}
 def test_the_base_must_exist_serve_adapters_from_a_folder_holding_the_source_under_another_name() -> None:
     path = "/adapters/sql"
     assert d.base_problem("sql", "ns", "base", None, path)[0] == "BaseServiceNotFound"
-    reason, message = d.base_problem("sql", "ns", "base", _base(), path)
+    reason, message = d.base_problem("sql", "ns", "base", _base(), path) or ("", "")
     assert reason == "LoRANotEnabled" and "spec.engine.lora.enabled" in message
     assert d.base_problem("sql", "ns", "base", _base({"enabled": False}), path)[0] == "LoRANotEnabled"
-    reason, message = d.base_problem("sql", "ns", "base", _base({"enabled": True}), path)
+    reason, message = d.base_problem("sql", "ns", "base", _base({"enabled": True}), path) or ("", "")
     assert reason == "NoAdapterDir" and "spec.engine.lora.adapterDir" in message and path in message
     assert d.base_problem("sql", "ns", "base", _base(ON), path) is None
     for outside in ("/adapters-other/sql", "/srv/sql", "/adapters"):
-        reason, message = d.base_problem("sql", "ns", "base", _base(ON), outside)
+        reason, message = d.base_problem("sql", "ns", "base", _base(ON), outside) or ("", "")
         assert reason == "SourceOutsideAdapterDir" and outside in message and "/adapters" in message
     assert d.base_problem("tiny", "ns", "base", _base(ON, served="tiny"), path)[0] == "NameTaken"
     assert d.base_problem("base", "ns", "base", _base(ON), path)[0] == "NameTaken"

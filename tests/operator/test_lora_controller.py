@@ -170,7 +170,9 @@ def _admit(
     memo, name: str = NAME, source: str = SOURCE, old: dict | None = None, namespace: str = NS
 ) -> None:
     body = {"spec": {"inferenceService": BASE, "source": source}}
-    webhook_reviews.admit_adapter(body=body, old=old, namespace=namespace, name=name, memo=memo)
+    # kopf passes many more keyword arguments; the handler reads only these.
+    given: dict = {"body": body, "old": old, "namespace": namespace, "name": name, "memo": memo}
+    webhook_reviews.admit_adapter(**given)
 
 
 def test_the_webhook_refuses_a_bad_source_and_an_adapter_past_the_tenants_limit() -> None:

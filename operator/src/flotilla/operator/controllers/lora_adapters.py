@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import cast
 
 import kopf
 
@@ -93,7 +94,7 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
                 replicas = _replicas(kwargs, namespace, spec.inference_service)
                 ready = len(replicas)
                 outcomes = {r.pod: _converge(name, path, r) for r in replicas}
-        previous = plain(body.get("status") or {})
+        previous = cast(dict, plain(body.get("status") or {}))
         new = desired.status(
             name=name,
             generation=meta.get("generation"),
@@ -114,7 +115,7 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
 @kopf.on.update(*LORA)
 def reconcile(body: kopf.Body, old, patch: kopf.Patch, memo: kopf.Memo, **kwargs) -> None:
     rt: Runtime = memo.runtime
-    new_body = plain(body)
+    new_body = cast(dict, plain(body))
     moved_from = ((old or {}).get("spec") or {}).get("inferenceService")
     if moved_from and moved_from != (new_body.get("spec") or {}).get("inferenceService"):
         # The adapter moved to another base service: the old one's replicas let it go (best effort; an
