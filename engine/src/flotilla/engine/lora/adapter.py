@@ -29,7 +29,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # PEFT options that change what the update is, which this engine does not compute: refused by name.
-_UNSUPPORTED_SWITCHES = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (GPT-2's Conv1D layout)"}
+_UNSUPPORTED_SWITCHES = {
+    "use_dora": "DoRA",
+    "fan_in_fan_out": "fan_in_fan_out (GPT-2's Conv1D layout)",
+    "lora_bias": "a bias on lora_B",
+    "layer_replication": "layer replication",
+}
 
 
 @dataclass
