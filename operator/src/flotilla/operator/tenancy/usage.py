@@ -105,11 +105,12 @@ def report(
         rows=rows,
         adapters=[
             AdapterRow(
-                name,
-                *key.split("/", 1),
-                u.input,
-                u.output,
-                round((u.input + u.output) * per_million / 1e6, 6),
+                tenant=name,
+                namespace=key.split("/", 1)[0],
+                adapter=key.split("/", 1)[-1],
+                tokens_input=u.input,
+                tokens_output=u.output,
+                cost=round((u.input + u.output) * per_million / 1e6, 6),
             )
             for key, u in sorted(status.adapters.items())
         ],
