@@ -7,14 +7,14 @@ from __future__ import annotations
 from flotilla import contract as c
 from flotilla.monitoring.rules.model import GENERATION, HAS_TENANT, PROMPT, Record, rate
 from flotilla.monitoring.rules.names import (
-    TENANT_ADAPTER_BY,
-    TENANT_ADAPTER_COST,
     COST_WINDOW,
     SERVICE_BY,
     SERVICE_COST_PER_HOUR,
     SERVICE_COST_PER_MILLION_TOKENS,
     SERVICE_GPUS,
     SERVICE_TOKENS,
+    TENANT_ADAPTER_BY,
+    TENANT_ADAPTER_COST,
     TENANT_BY,
     TENANT_COST,
     TENANT_COST_PER_HOUR,
