@@ -14,7 +14,11 @@ One recorded run (a module fixture) sets up the fleet:
   - Prometheus from `flotilla.monitoring.local.up`: kubernetes_sd through the API server for the engine
     pods, a static target for the operator, Flotilla's rules file, a 2 s scrape and evaluation interval;
   - load on every service from `flotilla engine bench serve` (shared prefixes, so the prefix cache hits),
-    plus plain completions.
+    plus plain completions;
+  - `chat` serves LoRA adapters (spec.engine.lora) and tenant A has a LoRAAdapter on it (a random PEFT
+    folder), loaded into chat's replica and asked for completions alongside the load, so that the adapter
+    panels and rules have data; Tenant A's status then meters the adapter's tokens and cost, and
+    `flotilla usage` prints its row.
 
 Then every panel query of every dashboard (`dashboards.panel_queries`, the variables set to tenant A, its
 namespace, `chat` and the model), every recording rule's expression and every alert's signal (the alert's
@@ -41,6 +45,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -75,6 +80,8 @@ METERING_INTERVAL = "2"
 MODEL = "tiny"
 TTFT_TARGET = 0.2  # chat's ttftP95TargetSeconds, near its TTFT: an engine bucket (the SLO rule's `le`)
 ENGINE = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4}
+ADAPTER = "tone"  # tenant A's LoRAAdapter on chat
+ADAPTER_REQUESTS = 40  # completions with the adapter, one a second or so, while the load runs
 # Poisson arrivals for about 40 s per service, well within what three CPU engines serve at once, so the
 # drawings show traffic over time rather than one burst; shared prefixes, so the prefix cache hits.
 LOAD = ["--request-rate", "0.75", "--num-prompts", "30", "--max-concurrency", "4", "--input-len", "32",
@@ -95,6 +102,7 @@ class Fleet:
     load: dict[str, dict] = field(default_factory=dict)  # service -> the load generator's figures
     passes: int = 0  # rounds of evaluating every query until all had data
     evaluated_at: float = 0.0  # Unix time of the last round
+    kubeconfig: str = ""
 
     @property
     def values(self) -> dict[str, str]:
@@ -150,6 +158,20 @@ def _refuse_over_quota(cluster: ClusterHandle, namespace: str) -> str:
     return refused.stderr
 
 
+def _adapter_load(endpoint: str, stop: threading.Event, answered: list[int]) -> None:
+    """Completions with the adapter, about one a second, until `stop` or ADAPTER_REQUESTS answered."""
+    while not stop.is_set() and len(answered) < ADAPTER_REQUESTS:
+        complete(endpoint, f"Adapter prompt {len(answered)}", max_tokens=8, model=ADAPTER)
+        answered.append(1)
+        stop.wait(1.0)
+
+
+def _adapter_loaded(cluster: ClusterHandle, namespace: str) -> bool:
+    obj = cluster.get_json("loraadapter", ADAPTER, "-n", namespace)
+    replicas = (obj.get("status") or {}).get("replicas") or []
+    return bool(replicas) and all(r.get("phase") == "Loaded" for r in replicas)
+
+
 def _bench_argv(endpoint: str, seed: int, out: Path) -> list[str]:
     """`flotilla engine bench serve` against one engine (its base URL, without /v1), figures to `out`."""
     return [sys.executable, "-m", "flotilla.cli", "engine", "bench", "serve", "--url",
@@ -162,6 +184,12 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("governance")
     install_manifests(cluster)
     model = tiny_model(workdir / "tiny-llama")
+    from flotilla.bench.engine.lora import write_random_adapter
+    from flotilla.engine.model.config import ModelConfig
+
+    adapter_dir = workdir / "adapters" / ADAPTER
+    write_random_adapter(adapter_dir, ModelConfig.from_file(Path(model) / "config.json"), rank=8, seed=1)
+    lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(adapter_dir.parent)}
     f = Fleet("", f"gov-a-{RUN}", f"gov-b-{RUN}", f"gov-a-{RUN}", f"gov-b-{RUN}", 0.0)
     for ns in (f.ns_a, f.ns_b):
         cluster.kubectl("create", "namespace", ns)
@@ -189,13 +217,17 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         cluster.apply(_tenant(f.tenant_a, f.ns_a, 2, 3.6, 1000))
         cluster.apply(_tenant(f.tenant_b, f.ns_b, 2, 2.5, 5000))
         chat = inference_service(
-            "chat", model, f.ns_a, served_name=MODEL, replicas=0, engine=ENGINE,
+            "chat", model, f.ns_a, served_name=MODEL, replicas=0, engine=ENGINE | {"lora": lora},
             autoscaling={"minReplicas": 1, "maxReplicas": 1, "ttftP95TargetSeconds": TTFT_TARGET,
                          "periodSeconds": 3, "ttftWindowSeconds": 600},
         )  # fmt: skip
         batch = inference_service("batch", model, f.ns_a, served_name=MODEL, engine=ENGINE)
         assist = inference_service("assist", model, f.ns_b, served_name=MODEL, engine=ENGINE)
         cluster.apply(yaml.safe_dump_all([chat, batch, assist]))
+        adapter = {"apiVersion": "flotilla.dev/v1alpha1", "kind": "LoRAAdapter",
+                   "metadata": {"name": ADAPTER, "namespace": f.ns_a},
+                   "spec": {"inferenceService": "chat", "source": f"file://{adapter_dir}"}}  # fmt: skip
+        cluster.apply(yaml.safe_dump(adapter))
         services = {("chat", f.ns_a), ("batch", f.ns_a), ("assist", f.ns_b)}
         endpoints = {
             name: wait_for(
@@ -219,6 +251,8 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
             "the autoscaler to fail a read of the absent Prometheus, having scaled chat up",
         )
         _refuse_over_quota(cluster, f.ns_a)
+        wait_for(lambda: _adapter_loaded(cluster, f.ns_a), 120, f"{ADAPTER} Loaded in chat's replica")
+        complete(endpoints["chat"], "Before Prometheus", model=ADAPTER)
 
         rules_file = workdir / "flotilla-rules.yaml"
         rules_file.write_text(rules.render())
@@ -244,6 +278,11 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         for endpoint in endpoints.values():
             for prompt in ("Hello", "The fleet"):
                 complete(endpoint, prompt, model=MODEL)
+        adapter_stop, adapter_answered = threading.Event(), []
+        adapter_load = threading.Thread(
+            target=_adapter_load, args=(endpoints["chat"], adapter_stop, adapter_answered), daemon=True
+        )
+        adapter_load.start()
         benches |= {
             name: subprocess.Popen(
                 _bench_argv(endpoint, seed, workdir / f"bench-{name}.json"),
@@ -258,6 +297,11 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
             assert bench.returncode == 0, f"bench serve against {name} failed: {err[-2000:]}"
             figures = json.loads((workdir / f"bench-{name}.json").read_text())
             f.load[name] = figures.get("summary", figures)
+        adapter_load.join(timeout=120)
+        adapter_stop.set()
+        assert len(adapter_answered) >= ADAPTER_REQUESTS, f"{len(adapter_answered)} adapter completions"
+        f.load[f"chat/{ADAPTER}"] = {"completions": len(adapter_answered)}
+        f.kubeconfig = str(cluster.kubeconfig)
         yield f
     finally:
         for bench in benches.values():
@@ -266,6 +310,7 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
                 bench.wait(timeout=30)
         pids.stop(local.PROCESS)
         # The autoscaler is a kopf daemon, guarded by kopf's finalizer: delete while the operator runs.
+        cluster.kubectl("delete", "loraadapter", "--all", "-n", f.ns_a, "--timeout=60s", check=False)
         for ns in (f.ns_a, f.ns_b):
             cluster.kubectl("delete", "fisvc", "--all", "-n", ns, "--timeout=60s", check=False)
         operator.stop()
@@ -439,6 +484,32 @@ def _series_counts(fleet: Fleet) -> dict[str, int]:
         what: int(_value(found[0])) if (found := _vector(fleet.prometheus, q)) else 0
         for what, q in counts.items()
     }
+
+
+def test_the_tenant_meters_its_adapter_and_flotilla_usage_prints_it(fleet: Fleet, cluster: ClusterHandle):
+    """Tenant A's status carries the adapter's tokens (a share of the tenant's) and cost; `flotilla usage`
+    prints the adapter's row."""
+    key = f"{fleet.ns_a}/{ADAPTER}"
+
+    def metered() -> dict | None:
+        status = cluster.get_json("tenant", fleet.tenant_a).get("status") or {}
+        usage = (status.get("adapters") or {}).get(key) or {}
+        done = usage.get("input", 0) > 0 and usage.get("output", 0) > 0 and usage.get("cost", 0) > 0
+        return status if done else None
+
+    status = wait_for(metered, 60, f"tenant A's status to meter {key}")
+    usage, tokens = status["adapters"][key], status["tokens"]
+    assert usage["input"] <= tokens["input"] and usage["output"] <= tokens["output"], (usage, tokens)
+    per_million = status["costPerMillionTokens"]
+    assert usage["cost"] == pytest.approx((usage["input"] + usage["output"]) * per_million / 1e6, rel=0.05)
+    assert list(status["adapters"]) == [key]  # only the tenant's LoRAAdapters
+    printed = subprocess.run(
+        [sys.executable, "-m", "flotilla.cli", "usage", "--tenant", fleet.tenant_a, "--kubeconfig",
+         fleet.kubeconfig, "--format", "csv"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split(",") for line in printed.splitlines()]
+    assert [fleet.tenant_a, fleet.ns_a, ADAPTER] in [row[:3] for row in rows], printed
 
 
 def test_each_dashboard_is_drawn_from_those_results(fleet: Fleet, evaluated: list[Query]):

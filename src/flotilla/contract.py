@@ -229,6 +229,10 @@ TENANT_MONTH_COST = "flotilla_tenant_month_cost"  # {tenant}: the same, this cal
 TENANT_MONTHLY_BUDGET = "flotilla_tenant_monthly_budget"  # {tenant}: spec.monthlyBudget, only when set
 TENANT_METERED_TOKENS = "flotilla_tenant_tokens"  # counter {tenant, direction}
 TENANT_LAST_METERED = "flotilla_tenant_last_metered_timestamp_seconds"  # {tenant}: status.lastMeteredTime
+# Per LoRAAdapter (status.adapters; bounded by the tenant's LoRAAdapter objects): tokens served with it, and
+# their cost at the tenant's cost per million tokens. LABEL_LORA_NAME is the LoRAAdapter's name.
+TENANT_ADAPTER_TOKENS = "flotilla_tenant_adapter_tokens"  # counter {tenant, namespace, lora_name, direction}
+TENANT_ADAPTER_COST = "flotilla_tenant_adapter_cost"  # {tenant, namespace, lora_name}
 
 
 # -- the gateway (flotilla.gateway): one OpenAI endpoint in front of every InferenceService ----------------

@@ -21,6 +21,7 @@ BOUNDED_LABELS = frozenset(
         contract.LABEL_REASON,
         contract.LABEL_TRIGGER,
         contract.LABEL_LE,
+        contract.LABEL_LORA_NAME,  # a loaded LoRA adapter: at most --max-cpu-loras per engine
         "job",  # Prometheus's target labels, for `up`
         "instance",
     }
@@ -34,7 +35,7 @@ def _exported_series() -> set[str]:
     import flotilla.operator.autoscaling.metrics
     import flotilla.operator.metrics
     import flotilla.operator.tenancy.metering_metrics  # noqa: F401 (registers the tenant collector)
-    from flotilla.engine.core.outputs import EngineStats
+    from flotilla.engine.core.outputs import EngineStats, LoRAStats
     from flotilla.engine.server.metrics import EngineMetrics
 
     suffixes = {
@@ -43,8 +44,11 @@ def _exported_series() -> set[str]:
         "summary": ("_count", "_sum", ""),
     }
     names = set()
+    # An engine with --enable-lora (max_loras set) also exports the per-adapter series.
+    lora = EngineStats(max_loras=1, loras={"a": LoRAStats()})
     engine = EngineMetrics("m", lambda: EngineStats()).registry
-    for registry in (engine, REGISTRY):
+    lora_engine = EngineMetrics("m", lambda: lora).registry
+    for registry in (engine, lora_engine, REGISTRY):
         for family in registry.collect():
             names.update(family.name + s for s in suffixes.get(family.type, ("",)))
     return names

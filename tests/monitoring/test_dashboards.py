@@ -36,6 +36,10 @@ PANEL_LABELS = {
     contract.LABEL_MODEL,
     contract.LABEL_DIRECTION,
     contract.LABEL_FINISH_REASON,
+    # The LoRA info gauge's adapters of running and of waiting requests, per engine: subsets of its
+    # loaded adapters (bounded by --max-loras), one series per engine at a time.
+    contract.LABEL_RUNNING_LORA_ADAPTERS,
+    contract.LABEL_WAITING_LORA_ADAPTERS,
     "verb",
     "resource",
 }

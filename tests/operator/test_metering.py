@@ -121,3 +121,41 @@ def test_a_deleted_pod_ends_when_its_node_let_it_go_or_at_its_deadline():
     assert not metered_end(stopped, ts("2026-01-01T10:05:06"))
     assert metered_end(stopped, ts("2026-01-01T10:05:07"))
     assert not metered_end(pod(), ts("2026-01-02T00:00:00"))  # still running
+
+
+def test_adapter_counters_count_per_adapter_deltas_restarts_and_reloads():
+    from flotilla.operator.tenancy.metering import count_adapter_tokens
+
+    ns = {"p1": "a1", "p2": "a1"}
+    t = TokenCount
+    added, counters = count_adapter_tokens(
+        {}, {"p1": {"fr": t(input=10, output=5)}, "p2": {"fr": t(input=1)}}, ns
+    )
+    assert added == {"a1/fr": t(input=11, output=5)}  # both replicas of the service, summed
+    added, counters = count_adapter_tokens(
+        counters, {"p1": {"fr": t(input=15, output=9), "de": t(output=2)}}, ns
+    )
+    assert added == {"a1/fr": t(input=5, output=4), "a1/de": t(output=2)}
+    assert counters["p2"] == {"fr": t(input=1)}  # not read this time: kept
+    added, counters = count_adapter_tokens(counters, {"p1": {"fr": t(input=3, output=1)}}, ns)  # restarted
+    assert added == {"a1/fr": t(input=3, output=1)}
+    assert "de" not in counters["p1"]  # unloaded (its series went): a reload counts from zero
+    added, _ = count_adapter_tokens(counters, {"p1": {"fr": t(input=3, output=1), "de": t(output=7)}}, ns)
+    assert added == {"a1/fr": t(), "a1/de": t(output=7)}
+
+
+def test_adapter_usage_keeps_existing_adapters_only_and_prices_them_at_the_tenants_rate():
+    from flotilla.operator.api.v1alpha1 import AdapterUsage
+    from flotilla.operator.tenancy.metering import adapter_usage
+
+    before = {
+        "a1/fr": AdapterUsage(input=400_000, output=100_000, cost=1.0),
+        "a1/gone": AdapterUsage(input=9),
+    }
+    added = {"a1/fr": TokenCount(input=400_000, output=100_000), "a1/orphan": TokenCount(input=5)}
+    out = adapter_usage(before, added, ["a1/fr", "a1/new"], 2.0)
+    assert out == {
+        "a1/fr": AdapterUsage(input=800_000, output=200_000, cost=2.0),
+        "a1/new": AdapterUsage(),
+    }
+    assert adapter_usage(out, {}, ["a1/fr"], None)["a1/fr"].cost == 0.0  # no tokens priced yet

@@ -244,3 +244,35 @@ def test_each_reconcile_exports_the_service_figures_it_wrote():
     assert got[(contract.SERVICE_READY, svc)] == 0
     assert got[(contract.SERVICE_TTFT_TARGET, key(namespace="ns-w", service="svc-w", le="2.0"))] == 2
     SERVICES.forget("ns-w", "svc-w")
+
+
+def test_adapter_series_from_the_status():
+    from flotilla.operator.api.v1alpha1 import AdapterUsage
+
+    status, spec = _tenant()
+    status = status.model_copy(update={"adapters": {"ns/fr": AdapterUsage(input=7, output=3, cost=0.5)}})
+    collector = TenantCollector(clock=lambda: ts("2026-02-01T12:00:00"))
+    collector.update("a", status, spec)
+    got = samples(collector)
+    fr = {"tenant": "a", "namespace": "ns", "lora_name": "fr"}
+    assert got[(contract.counter_total(contract.TENANT_ADAPTER_TOKENS), key(**fr, direction="input"))] == 7
+    assert got[(contract.counter_total(contract.TENANT_ADAPTER_TOKENS), key(**fr, direction="output"))] == 3
+    assert got[(contract.TENANT_ADAPTER_COST, key(**fr))] == 0.5
+
+
+def test_the_token_scrape_reads_each_adapters_counters():
+    from flotilla.operator.clients.token_scrape import parse_tokens
+
+    text = (
+        f"# TYPE {contract.NUM_REQUESTS_WAITING} gauge\n{contract.NUM_REQUESTS_WAITING} 0\n"
+        f"# TYPE {contract.PROMPT_TOKENS} counter\n{contract.PROMPT_TOKENS}_total 30\n"
+        f"# TYPE {contract.GENERATION_TOKENS} counter\n{contract.GENERATION_TOKENS}_total 20\n"
+        f"# TYPE {contract.LORA_PROMPT_TOKENS} counter\n"
+        f'{contract.LORA_PROMPT_TOKENS}_total{{lora_name="fr"}} 12\n'
+        f'{contract.LORA_PROMPT_TOKENS}_total{{lora_name="de"}} 3\n'
+        f"# TYPE {contract.LORA_GENERATION_TOKENS} counter\n"
+        f'{contract.LORA_GENERATION_TOKENS}_total{{lora_name="fr"}} 8\n'
+    )
+    got = parse_tokens(text)
+    assert got is not None and got.total.input == 30 and got.total.output == 20
+    assert {n: (c.input, c.output) for n, c in got.adapters.items()} == {"de": (3, 0), "fr": (12, 8)}

@@ -151,3 +151,24 @@ def test_a_selector_expression_whose_values_do_not_fit_its_operator_is_refused_n
         TenantSpec.model_validate(
             {"namespaceSelector": {"matchExpressions": [{"key": "t", "operator": "Near"}]}}
         )
+
+
+def test_usage_report_lists_each_adapters_tokens_and_cost():
+    from flotilla.operator.api.v1alpha1 import AdapterUsage
+
+    spec = TenantSpec.model_validate({"namespaces": ["a1"], "pricePerGPUHour": {"h100": 3.6}})
+    status = TenantStatus(
+        tokens=TokenCount(input=600_000, output=400_000),
+        adapters={"a1/fr": AdapterUsage(input=200_000, output=50_000, cost=1.0)},
+        ledger=MeteringLedger(total={"a1/chat/h100": 7200.0}),
+    )
+    r = report("ta", spec, status, None, None)
+    assert [(a.namespace, a.adapter, a.tokens_input, a.tokens_output) for a in r.adapters] == [
+        ("a1", "fr", 200_000, 50_000)
+    ]
+    assert r.adapters[0].cost == pytest.approx(1.8)  # a quarter of the tokens: a quarter of 7.2
+    table = render([r], "table", {})
+    assert "LoRA adapters" in table
+    assert ["ta", "a1", "fr", "200000", "50000", "1.8"] in [line.split() for line in table.splitlines()]
+    assert "ta,a1,fr,200000,50000,1.8" in render([r], "csv", {}).splitlines()
+    assert json.loads(render([r], "json", {}))["tenants"][0]["adapters"][0]["adapter"] == "fr"

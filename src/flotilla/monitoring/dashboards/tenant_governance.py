@@ -1,5 +1,6 @@
 """The Tenant governance dashboard, per Tenant: GPUs against quota, GPU-hours and cost today and this
-month, budget burn, tokens, cost per million tokens, the costliest services and admission refusals.
+month, budget burn, tokens, cost per million tokens, the costliest services, LoRA adapters (tokens,
+requests, cost, the adapters running and waiting) and admission refusals.
 
 The "today" and "this month" panels read `$__range` over a time range of their own (`now/d`, `now/M`;
 UTC, as metering counts days and months)."""
@@ -29,6 +30,9 @@ _LEDGER = c.counter_total(c.TENANT_GPU_SECONDS)  # {tenant, namespace, service, 
 # `max by`: one active operator exports the tenant series; a standby that exported them before must not
 # double them (as in the rules).
 _LEDGER_KEY = f"{r.TENANT_TYPE_BY}, {BY_SERVICE}"
+_ADAPTER = "{{namespace}}/{{service}} {{lora_name}}"
+_TEN_NS = sel(TENANT, NAMESPACE)
+SVC_BY = BY_SERVICE
 
 
 def _gpu_seconds() -> str:
@@ -233,6 +237,60 @@ def dashboard() -> dict:
             time_from="now/d",
         ),
     )
+    adapters = g.row(
+        "LoRA adapters",
+        g.timeseries(
+            "Adapter tokens per second",
+            f"Prompt tokens and generated tokens per second with each LoRA adapter, over {r.RATE_WINDOW}, on "
+            "the selected services' engines (their per-adapter counters; docs/lora.md).",
+            g.target(f"{r.ADAPTER_INPUT_TOKENS}{SVC}", f"in {_ADAPTER}"),
+            g.target(f"{r.ADAPTER_OUTPUT_TOKENS}{SVC}", f"out {_ADAPTER}"),
+            width=12,
+        ),
+        g.timeseries(
+            "Adapter requests per second",
+            f"Requests finished per second with each LoRA adapter, over {r.RATE_WINDOW}.",
+            g.target(f"{r.ADAPTER_REQUESTS}{SVC}", _ADAPTER),
+            unit="reqps",
+            width=12,
+        ),
+        g.bargauge(
+            "Adapter tokens today",
+            "Tokens in and out per LoRAAdapter since midnight (UTC), as metered into the Tenants' status "
+            f"({c.TENANT_ADAPTER_TOKENS}).",
+            g.target(
+                f"sum by ({r.TENANT_ADAPTER_BY}) (max by ({r.TENANT_ADAPTER_BY}, {c.LABEL_DIRECTION}) "
+                f"({increase(c.counter_total(c.TENANT_ADAPTER_TOKENS), _TEN_NS)}))",
+                "{{tenant}} {{namespace}}/{{lora_name}}",
+            ),
+            width=8,
+            decimals=0,
+            time_from="now/d",
+        ),
+        g.bargauge(
+            "Adapter cost",
+            "Each LoRAAdapter's tokens (all time) x its tenant's cost per million tokens: its share of the "
+            f"tenant's GPU cost ({r.TENANT_ADAPTER_COST}).",
+            g.target(f"{r.TENANT_ADAPTER_COST}{_TEN_NS}", "{{tenant}} {{namespace}}/{{lora_name}}"),
+            width=8,
+            unit=_MONEY,
+            decimals=2,
+        ),
+        g.table(
+            "Adapters running and waiting",
+            "Engine replicas by the LoRA adapters of their running requests and of their waiting ones "
+            f"({c.LORA_REQUESTS_INFO}; an empty cell: none).",
+            {
+                "Replicas": g.target(
+                    f"count by ({SVC_BY}, {c.LABEL_RUNNING_LORA_ADAPTERS}, {c.LABEL_WAITING_LORA_ADAPTERS}) "
+                    f"({c.LORA_REQUESTS_INFO}{SVC})"
+                )
+            },
+            labels=(NAMESPACE, SERVICE, c.LABEL_RUNNING_LORA_ADAPTERS, c.LABEL_WAITING_LORA_ADAPTERS),
+            width=8,
+            decimals=0,
+        ),
+    )
     admission = g.row(
         "Admission",
         g.timeseries(
@@ -258,10 +316,10 @@ def dashboard() -> dict:
         TENANT_UID,
         "Flotilla / Tenant governance",
         "Per Tenant: GPUs against quota, GPU-hours and cost today and this month, budget burn, tokens, cost "
-        "per million tokens, the costliest services and admission refusals. Money is in the Tenants' "
+        "per million tokens, the costliest services, LoRA adapters and admission refusals. Money is in the Tenants' "
         "price currency; days and months are UTC, as metering counts them.",
         variables,
-        [summary, quota, cost, tokens, admission],
+        [summary, quota, cost, tokens, adapters, admission],
         tags=["governance"],
         time_from="now-24h",
     )

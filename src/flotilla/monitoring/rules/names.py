@@ -18,6 +18,8 @@ METERING_STALE_SECONDS = 600  # metering runs every 10 s by default (--metering-
 SERVICE_BY = f"{c.LABEL_NAMESPACE}, {c.LABEL_SERVICE}"
 TENANT_BY = c.LABEL_TENANT
 TENANT_TYPE_BY = f"{c.LABEL_TENANT}, {c.LABEL_GPU_TYPE}"
+ADAPTER_BY = f"{SERVICE_BY}, {c.LABEL_LORA_NAME}"  # a LoRA adapter on a service (its engines' series)
+TENANT_ADAPTER_BY = f"{c.LABEL_TENANT}, {c.LABEL_NAMESPACE}, {c.LABEL_LORA_NAME}"  # a tenant's LoRAAdapter
 
 # -- recorded names (dashboards import these) ----------------------------------------------------------------
 # Per service {namespace, service}.
@@ -43,6 +45,10 @@ SERVICE_READY = "flotilla:service_ready"
 SERVICE_REPLICAS_DESIRED = "flotilla:service_replicas_desired"
 SERVICE_REPLICAS_READY = "flotilla:service_replicas_ready"
 SERVICE_REPLICAS_READY_RATIO = "flotilla:service_replicas_ready:ratio"
+# Per LoRA adapter on a service {namespace, service, lora_name}, from the engines' per-adapter counters.
+ADAPTER_INPUT_TOKENS = "flotilla:adapter_input_tokens:rate5m"
+ADAPTER_OUTPUT_TOKENS = "flotilla:adapter_output_tokens:rate5m"
+ADAPTER_REQUESTS = "flotilla:adapter_requests:rate5m"
 # Per tenant {tenant} or {tenant, gpu_type}; the per-service cost series also carry `tenant`.
 TENANT_GPUS_ALLOCATED = "flotilla:tenant_gpus_allocated"
 TENANT_GPU_QUOTA = "flotilla:tenant_gpu_quota"
@@ -64,6 +70,8 @@ SERVICE_COST_PER_MILLION_TOKENS = "flotilla:service_cost_per_million_tokens:1h"
 TENANT_COST_PER_MILLION_TOKENS = "flotilla:tenant_cost_per_million_tokens:1h"
 TENANT_IDLE_GPU_RATIO = "flotilla:tenant_idle_gpus:ratio_1h"
 TENANT_METERING_LAG = "flotilla:tenant_metering_lag_seconds"
+# Per tenant's LoRAAdapter {tenant, namespace, lora_name}, from metering (Tenant.status.adapters).
+TENANT_ADAPTER_COST = "flotilla:tenant_adapter_cost"
 # The operator.
 ADMISSION_DENIALS = "flotilla:admission_denials:rate5m"
 RECONCILE_ERRORS = "flotilla:reconcile_errors:rate5m"

@@ -1,11 +1,16 @@
 """The per-service recording rules, keyed by `namespace` and `service`: latency percentiles, TTFT
-SLO attainment, traffic, queue, caches and replicas."""
+SLO attainment, traffic, queue, caches and replicas; and per LoRA adapter on a service (`lora_name` too),
+its requests and tokens."""
 
 from __future__ import annotations
 
 from flotilla import contract as c
 from flotilla.monitoring.rules.model import GENERATION, PROMPT, Record, quantile, rate
 from flotilla.monitoring.rules.names import (
+    ADAPTER_BY,
+    ADAPTER_INPUT_TOKENS,
+    ADAPTER_OUTPUT_TOKENS,
+    ADAPTER_REQUESTS,
     RATE_WINDOW,
     SERVICE_BY,
     SERVICE_E2E_P50,
@@ -117,5 +122,20 @@ SERVICE_RULES = (
         SERVICE_REPLICAS_READY_RATIO,
         f"{SERVICE_REPLICAS_READY} / ({SERVICE_REPLICAS_DESIRED} > 0)",
         "ready / desired replicas; none for a service scaled to zero",
+    ),
+    Record(
+        ADAPTER_INPUT_TOKENS,
+        f"sum by ({ADAPTER_BY}) ({rate(c.counter_total(c.LORA_PROMPT_TOKENS))})",
+        "prompt tokens per second of requests finished with the LoRA adapter",
+    ),
+    Record(
+        ADAPTER_OUTPUT_TOKENS,
+        f"sum by ({ADAPTER_BY}) ({rate(c.counter_total(c.LORA_GENERATION_TOKENS))})",
+        "tokens generated per second with the LoRA adapter",
+    ),
+    Record(
+        ADAPTER_REQUESTS,
+        f"sum by ({ADAPTER_BY}) ({rate(c.counter_total(c.LORA_REQUESTS))})",
+        "requests finished per second with the LoRA adapter",
     ),
 )

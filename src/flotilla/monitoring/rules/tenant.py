@@ -13,6 +13,8 @@ from flotilla.monitoring.rules.names import (
     SERVICE_COST_PER_MILLION_TOKENS,
     SERVICE_GPUS,
     SERVICE_TOKENS,
+    TENANT_ADAPTER_BY,
+    TENANT_ADAPTER_COST,
     TENANT_BY,
     TENANT_COST,
     TENANT_COST_PER_HOUR,
@@ -142,6 +144,11 @@ TENANT_RULES = (
         f"/ (sum by ({TENANT_BY}) ({SERVICE_GPUS}) > 0)",
         f"share of the tenant's GPUs (averaged over {COST_WINDOW}) held by services that served no token "
         f"in {COST_WINDOW}",
+    ),
+    Record(
+        TENANT_ADAPTER_COST,
+        f"max by ({TENANT_ADAPTER_BY}) ({c.TENANT_ADAPTER_COST})",
+        "a LoRAAdapter's tokens x the tenant's cost per million tokens, all time (metering)",
     ),
     Record(
         TENANT_METERING_LAG,

@@ -379,6 +379,20 @@ class MeteringLedger(_Model):
     token_counters: dict[str, TokenCount] = Field(
         default_factory=dict, description="pod uid -> the engine's counters when last read"
     )
+    adapter_counters: dict[str, dict[str, TokenCount]] = Field(
+        default_factory=dict,
+        description="pod uid -> LoRA adapter name -> the engine's per-adapter counters when last read",
+    )
+
+
+class AdapterUsage(_Model):
+    """One LoRA adapter's tokens, all time, and their share of the tenant's GPU cost (docs/tenancy.md)."""
+
+    input: int = 0
+    output: int = 0
+    cost: float = Field(
+        default=0.0, description="(input + output) x the tenant's costPerMillionTokens / 1e6, all time"
+    )
 
 
 class TenantStatus(_Model):
@@ -389,6 +403,11 @@ class TenantStatus(_Model):
     tokens: TokenCount = Field(default_factory=TokenCount, description="served, from the engines' counters")
     cost: float = Field(default=0.0, description="GPU-hours x pricePerGPUHour, all time")
     cost_per_million_tokens: float | None = None
+    adapters: dict[str, AdapterUsage] = Field(
+        default_factory=dict,
+        description="per LoRAAdapter keyed namespace/name, while the adapter exists: tokens served with it "
+        "(also counted in tokens) and their cost",
+    )
     ledger: MeteringLedger = Field(default_factory=MeteringLedger)
     last_metered_time: str | None = Field(default=None, description="RFC 3339 with microseconds")
     conditions: list[Condition] = Field(default_factory=list)

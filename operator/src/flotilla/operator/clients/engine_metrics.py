@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.contract import (
     GENERATION_TOKENS,
     KV_CACHE_USAGE_RATIO,
+    LABEL_LORA_NAME,
+    LORA_GENERATION_TOKENS,
+    LORA_PROMPT_TOKENS,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
     PROMPT_TOKENS,
@@ -36,6 +39,7 @@ TTFT, WAITING, RUNNING, KV_USAGE = (
 )
 PROMPT, GENERATION = counter_total(PROMPT_TOKENS), counter_total(GENERATION_TOKENS)
 SUMMED = (WAITING, RUNNING, PROMPT, GENERATION)
+LORA_PROMPT, LORA_GENERATION = counter_total(LORA_PROMPT_TOKENS), counter_total(LORA_GENERATION_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class EngineSample:
     ttft_buckets: Buckets  # cumulative, as exported
     prompt_tokens: float | None = None  # lifetime counters; None when the engine exports none
     generation_tokens: float | None = None
+    # Per LoRA adapter (label lora_name): lifetime prompt and generation token counters, for the adapters
+    # the engine holds now (an unloaded adapter's series go).
+    lora_prompt_tokens: dict[str, float] = field(default_factory=dict)
+    lora_generation_tokens: dict[str, float] = field(default_factory=dict)
 
 
 class ScrapeError(Exception):
@@ -58,6 +66,7 @@ def parse_engine_metrics(text: str) -> EngineSample:
     gauges: dict[str, float] = {}
     kv: list[float] = []
     buckets: dict[float, float] = {}
+    lora: dict[str, dict[str, float]] = {LORA_PROMPT: {}, LORA_GENERATION: {}}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -68,6 +77,10 @@ def parse_engine_metrics(text: str) -> EngineSample:
                 elif sample.name == f"{TTFT}_bucket":
                     le = float(sample.labels["le"])
                     buckets[le] = buckets.get(le, 0.0) + sample.value
+                elif sample.name in lora and LABEL_LORA_NAME in sample.labels:
+                    per = lora[sample.name]
+                    adapter = sample.labels[LABEL_LORA_NAME]
+                    per[adapter] = per.get(adapter, 0.0) + sample.value
     except ValueError as exc:
         raise ScrapeError(f"unparseable metrics: {exc}") from exc
     if WAITING not in gauges:
@@ -81,6 +94,8 @@ def parse_engine_metrics(text: str) -> EngineSample:
         ttft_buckets=tuple(sorted(buckets.items())),
         prompt_tokens=gauges.get(PROMPT),
         generation_tokens=gauges.get(GENERATION),
+        lora_prompt_tokens=lora[LORA_PROMPT],
+        lora_generation_tokens=lora[LORA_GENERATION],
     )
 
 

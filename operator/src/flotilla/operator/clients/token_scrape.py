@@ -1,6 +1,9 @@
-"""Tokens served, read from each engine pod's GET /metrics (prompt and generation token counters)."""
+"""Tokens served, read from each engine pod's GET /metrics (prompt and generation token counters, in all
+and per LoRA adapter)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -9,15 +12,30 @@ from flotilla.operator.clients.engine_metrics import ScrapeError, metrics_url, p
 from flotilla.operator.naming import SERVICE_LABEL
 
 
-def parse_tokens(text: str) -> TokenCount | None:
+@dataclass(frozen=True)
+class PodTokens:
+    total: TokenCount
+    adapters: dict[str, TokenCount] = field(default_factory=dict)  # LoRA adapter name -> its counters
+
+
+def parse_tokens(text: str) -> PodTokens | None:
     """The token counters of one engine's /metrics; None when the engine exports neither."""
     sample = parse_engine_metrics(text)
     if sample.prompt_tokens is None and sample.generation_tokens is None:
         return None
-    return TokenCount(input=int(sample.prompt_tokens or 0), output=int(sample.generation_tokens or 0))
+    names = sorted({*sample.lora_prompt_tokens, *sample.lora_generation_tokens})
+    adapters = {
+        n: TokenCount(
+            input=int(sample.lora_prompt_tokens.get(n, 0)),
+            output=int(sample.lora_generation_tokens.get(n, 0)),
+        )
+        for n in names
+    }
+    total = TokenCount(input=int(sample.prompt_tokens or 0), output=int(sample.generation_tokens or 0))
+    return PodTokens(total=total, adapters=adapters)
 
 
-def read_token_counters(pods: list[dict], timeout: float = 1.0) -> dict[str, TokenCount]:
+def read_token_counters(pods: list[dict], timeout: float = 1.0) -> dict[str, PodTokens]:
     """Pod uid -> counters, for the engine pods that are Ready and answer; others are skipped."""
     out = {}
     with httpx.Client(timeout=timeout, trust_env=False) as http:

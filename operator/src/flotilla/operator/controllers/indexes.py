@@ -1,6 +1,6 @@
 """In-memory indexes, filled by kopf from watches before any handler runs, so that a reconcile reads no
 API: nodes' GPU types, Tenants, namespaces' labels, InferenceServices, the Deployments, pods and
-InferencePools the operator owns, and the Services the pools' endpointPickerRef names. Also the readers
+InferencePools the operator owns, the LoRAAdapters' names, and the Services the pools' endpointPickerRef names. Also the readers
 that turn an index into what the pure code wants."""
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ import kopf
 
 from flotilla.contract import GATEWAY_SERVICE
 from flotilla.operator.api import inference_extension as gie
-from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
+from flotilla.operator.api.v1alpha1 import (
+    GROUP,
+    INFERENCE_SERVICE,
+    LORA_ADAPTER,
+    TENANT,
+    VERSION,
+    TenantSpec,
+)
 from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL
 
 log = logging.getLogger("flotilla.operator")
@@ -29,6 +36,7 @@ NAMES = (
     "gpu_pods",
     "inference_pools",
     "picker_services",
+    "lora_adapter_names",
 )
 
 
@@ -52,6 +60,12 @@ def namespace_labels(name: str, labels: dict, **_) -> dict:
 @kopf.index(*ISVC)
 def services(namespace: str, name: str, body: kopf.Body, **_) -> dict:
     return {(namespace, name): plain(body)}
+
+
+@kopf.index(GROUP, VERSION, LORA_ADAPTER.plural)
+def lora_adapter_names(namespace: str, name: str, **_) -> dict:
+    """The LoRAAdapters per namespace: metering keeps per-adapter usage for these only."""
+    return {namespace: name}
 
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)

@@ -43,7 +43,9 @@ from flotilla.operator.naming import (
     TENANT_LABEL,
 )
 from flotilla.operator.tenancy.metering import (
+    adapter_usage,
     cost,
+    count_adapter_tokens,
     count_tokens,
     meter,
     metered_end,
@@ -223,9 +225,17 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
 
     live = {p["metadata"]["uid"] for p in pods}
     counters = read_token_counters(pods)
-    added, token_counters = count_tokens(ledger.token_counters, counters)
+    added, token_counters = count_tokens(ledger.token_counters, {u: c.total for u, c in counters.items()})
+    added_by_adapter, adapter_counters = count_adapter_tokens(
+        ledger.adapter_counters,
+        {u: c.adapters for u, c in counters.items()},
+        {p["metadata"]["uid"]: p["metadata"]["namespace"] for p in pods},
+    )
     ledger = ledger.model_copy(
-        update={"token_counters": {uid: c for uid, c in token_counters.items() if uid in live}}
+        update={
+            "token_counters": {uid: c for uid, c in token_counters.items() if uid in live},
+            "adapter_counters": {uid: c for uid, c in adapter_counters.items() if uid in live and c},
+        }
     )
     tokens = TokenCount(input=status.tokens.input + added.input, output=status.tokens.output + added.output)
 
@@ -236,6 +246,8 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     views = usage_views(ledger, now)
     total_cost = cost(views.total.by_gpu_type, spec.price_per_gpu_hour)
     served = tokens.input + tokens.output
+    per_million = round(total_cost / served * 1e6, 6) if served else None
+    existing = [f"{ns}/{a}" for ns in mine for a in kwargs.get("lora_adapter_names", {}).get(ns, [])]
     stamp = timestamps.from_epoch(now, micro=True)
     new_status = TenantStatus(
         gpus_allocated=allocated,
@@ -244,7 +256,8 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
         usage=views,
         tokens=tokens,
         cost=round(total_cost, 6),
-        cost_per_million_tokens=round(total_cost / served * 1e6, 6) if served else None,
+        cost_per_million_tokens=per_million,
+        adapters=adapter_usage(status.adapters, added_by_adapter, existing, per_million),
         ledger=ledger,
         last_metered_time=stamp,
         conditions=merge_transition_times(

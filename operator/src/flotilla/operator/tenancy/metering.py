@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
 from flotilla import timestamps
-from flotilla.operator.api.v1alpha1 import GPUSeconds, MeteringLedger, TenantUsage, TokenCount
+from flotilla.operator.api.v1alpha1 import (
+    AdapterUsage,
+    GPUSeconds,
+    MeteringLedger,
+    TenantUsage,
+    TokenCount,
+)
 from flotilla.operator.naming import GPU_RESOURCE, GPU_TYPE_LABEL, SERVICE_LABEL
 
 NODE_SILENCE_SECONDS = 60.0
@@ -196,6 +202,56 @@ def count_tokens(
         added_in += now.input - before.input if now.input >= before.input else now.input
         added_out += now.output - before.output if now.output >= before.output else now.output
     return TokenCount(input=added_in, output=added_out), {**previous, **current}
+
+
+def count_adapter_tokens(
+    previous: Mapping[str, Mapping[str, TokenCount]],
+    current: Mapping[str, Mapping[str, TokenCount]],
+    namespace_of: Mapping[str, str],
+) -> tuple[dict[str, TokenCount], dict[str, dict[str, TokenCount]]]:
+    """Tokens served per LoRA adapter since the last read, keyed namespace/name (the engine serves an
+    adapter under its LoRAAdapter's name, in the pod's namespace), from each pod's per-adapter counters
+    (pod uid -> adapter name -> counters; `namespace_of` is pod uid -> namespace).
+
+    As count_tokens does per pod: an adapter first seen counts from zero, a counter that went down (the
+    engine restarted, or unloaded and reloaded the adapter) counts from zero again. A pod read this time
+    that no longer exports an adapter has unloaded it (its series go): its last counters are forgotten, so
+    a later reload counts from zero. Pods not read this time keep their last counters."""
+    added: dict[str, TokenCount] = {}
+    for uid, adapters in current.items():
+        before_pod = previous.get(uid, {})
+        for name, now in adapters.items():
+            before = before_pod.get(name, TokenCount())
+            more_in = now.input - before.input if now.input >= before.input else now.input
+            more_out = now.output - before.output if now.output >= before.output else now.output
+            key = f"{namespace_of.get(uid, UNKNOWN)}/{name}"
+            sum_ = added.get(key, TokenCount())
+            added[key] = TokenCount(input=sum_.input + more_in, output=sum_.output + more_out)
+    counters = {uid: dict(a) for uid, a in previous.items()}
+    counters.update({uid: dict(a) for uid, a in current.items()})
+    return added, counters
+
+
+def adapter_usage(
+    previous: Mapping[str, AdapterUsage],
+    added: Mapping[str, TokenCount],
+    existing: Iterable[str],
+    cost_per_million_tokens: float | None,
+) -> dict[str, AdapterUsage]:
+    """Each existing LoRAAdapter's all-time tokens (namespace/name keys) and their share of the tenant's
+    cost: its tokens at the tenant's cost per million tokens. Adapters that no longer exist are dropped
+    (their tokens stay in the tenant's totals); tokens of a name no LoRAAdapter owns are not kept per
+    adapter either, so the status stays bounded by the tenant's LoRAAdapter objects."""
+    rate = cost_per_million_tokens or 0.0
+    out = {}
+    for key in sorted(set(existing)):
+        before = previous.get(key, AdapterUsage())
+        more = added.get(key, TokenCount())
+        tokens_in, tokens_out = before.input + more.input, before.output + more.output
+        out[key] = AdapterUsage(
+            input=tokens_in, output=tokens_out, cost=round((tokens_in + tokens_out) * rate / 1e6, 6)
+        )
+    return out
 
 
 def metered_end(pod: Mapping, ledger_until: float, **span_args) -> bool:

@@ -18,9 +18,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from flotilla.contract import (
     LABEL_DIRECTION,
     LABEL_GPU_TYPE,
+    LABEL_LORA_NAME,
     LABEL_NAMESPACE,
     LABEL_SERVICE,
     LABEL_TENANT,
+    TENANT_ADAPTER_COST,
+    TENANT_ADAPTER_TOKENS,
     TENANT_COST,
     TENANT_GPU_QUOTA,
     TENANT_GPU_SECONDS,
@@ -89,7 +92,23 @@ class TenantCollector:
             "tokens served, from the engines' counters",
             labels=[LABEL_TENANT, LABEL_DIRECTION],
         )
+        per_adapter = [LABEL_TENANT, LABEL_NAMESPACE, LABEL_LORA_NAME]
+        adapter_tokens = CounterMetricFamily(
+            TENANT_ADAPTER_TOKENS,
+            "tokens served with a LoRA adapter, from the engines' per-adapter counters",
+            labels=[*per_adapter, LABEL_DIRECTION],
+        )
+        adapter_cost = GaugeMetricFamily(
+            TENANT_ADAPTER_COST,
+            "a LoRA adapter's tokens x the tenant's cost per million tokens, all time",
+            labels=per_adapter,
+        )
         for tenant, (status, spec) in sorted(tenants.items()):
+            for key, usage in sorted(status.adapters.items()):
+                namespace, adapter = key.split("/", 1)
+                adapter_tokens.add_metric([tenant, namespace, adapter, "input"], usage.input)
+                adapter_tokens.add_metric([tenant, namespace, adapter, "output"], usage.output)
+                adapter_cost.add_metric([tenant, namespace, adapter], usage.cost)
             for key, value in sorted(status.ledger.total.items()):
                 seconds.add_metric([tenant, *key.split("/", 2)], value)
             for gpu_type in sorted(set(status.gpu_quota) | set(status.gpus_allocated)):
@@ -108,6 +127,7 @@ class TenantCollector:
             tokens.add_metric([tenant, "input"], status.tokens.input)
             tokens.add_metric([tenant, "output"], status.tokens.output)
         yield from (seconds, allocated, quota, price, total_cost, this_month, budget, metered, tokens)
+        yield from (adapter_tokens, adapter_cost)
 
 
 TENANTS = TenantCollector()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import date
 
 from flotilla.operator.api.v1alpha1 import TenantSpec, TenantStatus
@@ -30,6 +30,18 @@ class Row:
 
 
 @dataclass(frozen=True)
+class AdapterRow:
+    """One LoRAAdapter's tokens, all time, and their cost at the tenant's cost per million tokens."""
+
+    tenant: str
+    namespace: str
+    adapter: str
+    tokens_input: int
+    tokens_output: int
+    cost: float
+
+
+@dataclass(frozen=True)
 class TenantReport:
     tenant: str
     last_metered_time: str | None
@@ -39,6 +51,7 @@ class TenantReport:
     tokens_output: int
     cost_per_million_tokens: float | None  # all time, like the tokens
     rows: list[Row]
+    adapters: list[AdapterRow] = field(default_factory=list)  # all time, like the tokens
 
 
 class WindowError(ValueError):
@@ -80,6 +93,7 @@ def report(
         for key, s in status.ledger.total.items()
     )
     tokens = status.tokens.input + status.tokens.output
+    per_million = all_time_cost / tokens * 1e6 if tokens else 0.0
     return TenantReport(
         tenant=name,
         last_metered_time=status.last_metered_time,
@@ -89,6 +103,17 @@ def report(
         tokens_output=status.tokens.output,
         cost_per_million_tokens=round(all_time_cost / tokens * 1e6, 6) if tokens else None,
         rows=rows,
+        adapters=[
+            AdapterRow(
+                tenant=name,
+                namespace=key.split("/", 1)[0],
+                adapter=key.split("/", 1)[-1],
+                tokens_input=u.input,
+                tokens_output=u.output,
+                cost=round((u.input + u.output) * per_million / 1e6, 6),
+            )
+            for key, u in sorted(status.adapters.items())
+        ],
     )
 
 
@@ -104,6 +129,9 @@ COLUMNS = [
 ]
 
 
+ADAPTER_COLUMNS = ["tenant", "namespace", "adapter", "tokens_input", "tokens_output", "cost"]
+
+
 def render(reports: list[TenantReport], fmt: str, window: dict) -> str:
     if fmt == "json":
         return json.dumps({"window": window, "tenants": [asdict(r) for r in reports]}, indent=2) + "\n"
@@ -114,6 +142,12 @@ def render(reports: list[TenantReport], fmt: str, window: dict) -> str:
         for r in reports:
             for row in r.rows:
                 writer.writerow([getattr(row, c) for c in COLUMNS])
+        if any(r.adapters for r in reports):
+            writer.writerow([])
+            writer.writerow(ADAPTER_COLUMNS)
+            for r in reports:
+                for a in r.adapters:
+                    writer.writerow([getattr(a, c) for c in ADAPTER_COLUMNS])
         return out.getvalue()
     if fmt == "table":
         return _table(reports, window)
@@ -137,10 +171,13 @@ def _table(reports: list[TenantReport], window: dict) -> str:
                 f"{r.cost}",
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
-    text = "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines
-    )
+    text = _aligned(lines)
+    adapters = [[c.upper().replace("_", " ") for c in ADAPTER_COLUMNS]]
+    adapters += [[str(getattr(a, c)) for c in ADAPTER_COLUMNS] for r in reports for a in r.adapters]
+    if len(adapters) > 1:
+        text += "\n\nLoRA adapters (all time; cost at the tenant's cost per million tokens)\n" + _aligned(
+            adapters
+        )
     span = f"{window.get('since') or 'the start'} .. {window.get('until') or 'now'}"
     notes = [f"window: {span} (UTC days)"]
     for r in reports:
@@ -150,3 +187,10 @@ def _table(reports: list[TenantReport], window: dict) -> str:
             f"out {r.tokens_output}; cost per million tokens (all time) {per_m}"
         )
     return text + "\n\n" + "\n".join(notes) + "\n"
+
+
+def _aligned(lines: list[list[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
