@@ -222,7 +222,12 @@ class Gateway:
             raise GatewayError(503, f"the adapter {service.served_name!r} cannot be served: {service.adapter_refusal}",
                                code="adapter_unavailable", headers={"Retry-After": "10"})  # fmt: skip
         if not scales_from_zero(service) and service.desired_replicas == 0:
-            raise GatewayError(503, f"the model {service.served_name!r} has no replicas (it is scaled to 0)",
+            what = (
+                f"the adapter {service.served_name!r}'s base service"
+                if service.adapter
+                else f"the model {service.served_name!r}"
+            )
+            raise GatewayError(503, f"{what} has no replicas (it is scaled to 0)",
                                code="no_replicas", headers={"Retry-After": "30"})  # fmt: skip
 
     async def wait_for_replica(self, service: ServiceView) -> None:
