@@ -43,10 +43,12 @@ def lora_engines(make_server, adapter_dir):
     return [make_server(kwargs, internal_token=engine_token(MASTER, "ns-team-a")) for _ in range(2)]
 
 
-def lora(name: str, loaded: tuple[str, ...] = (), tenant: str = "team-a", **extra) -> AdapterView:
-    fields = dict(namespace=f"ns-{tenant}", name=name, service="chat", tenant=tenant,
-                  loaded_pods=frozenset(loaded))  # fmt: skip
-    return AdapterView(**(fields | extra))
+def lora(
+    name: str, loaded: tuple[str, ...] = (), tenant: str = "team-a", service: str = "chat",
+    failures: tuple[tuple[str, str], ...] = (), pending: int = 0,
+) -> AdapterView:  # fmt: skip
+    return AdapterView(f"ns-{tenant}", name, service, tenant, loaded_pods=frozenset(loaded), failures=failures,
+                       pending=pending)  # fmt: skip
 
 
 class LoRAFleet(HandSetFleet):
