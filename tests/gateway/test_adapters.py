@@ -258,3 +258,30 @@ def test_the_fleet_indexes_lora_adapters_from_their_watch() -> None:
 def test_the_gateway_may_read_lora_adapters_and_nothing_more_of_them() -> None:
     rules = [r for r in cluster_rules() if LORA_ADAPTERS in r["resources"]]
     assert [r["verbs"] for r in rules] == [["get", "list", "watch"]]
+
+
+def blocked(obj: dict[str, Any], reason: str, message: str) -> dict[str, Any]:
+    condition = {"type": "Ready", "status": "False", "reason": reason, "message": message}
+    obj["status"] = obj.get("status", {}) | {"conditions": [condition]}
+    return obj
+
+
+def test_an_adapter_the_operator_says_cannot_load_is_refused_with_its_message() -> None:
+    message = "InferenceService team-a/base does not serve adapters: set its spec.engine.lora.enabled to true"
+    view = adapter(blocked(lora("team-a", "sql"), "LoRANotEnabled", message))
+    assert view.blocked == message
+    assert adapter_route(view, base()).adapter_refusal == message
+    # Loading, LoadFailed and NoReadyReplicas are not blocked: held (LoadFailed everywhere: refused above).
+    for reason in ("Loading", "LoadFailed", "NoReadyReplicas"):
+        assert adapter(blocked(lora("team-a", "sql"), reason, "...")).blocked is None
+
+
+def test_an_adapter_named_like_its_bases_model_never_shadows_the_base() -> None:
+    taken = blocked(lora("team-a", "tiny"), "NameTaken", "the adapter's name 'tiny' is the served model name")
+    idx = ModelIndex([base()], [adapter(taken)])
+    found = idx.resolve("tiny", "a")
+    assert isinstance(found, ServiceView) and found.adapter is None and found.key == "team-a/base"
+    by_id = idx.resolve("team-a/tiny", "a")
+    assert isinstance(by_id, ServiceView) and by_id.adapter == "tiny"
+    assert by_id.adapter_refusal is not None and "NameTaken" not in by_id.adapter_refusal
+    assert [model_id for model_id, _ in idx.visible_models("a")] == ["team-a/tiny", "tiny"]

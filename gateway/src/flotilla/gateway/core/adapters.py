@@ -17,6 +17,11 @@ from typing import Any
 from flotilla.ownership import Owner
 
 LOADED, LOADING, FAILED = "Loaded", "Loading", "Failed"
+# The Ready condition's reasons (flotilla.operator.desired.lora_adapter) that no replica's load can end:
+# the object or its base must change first. A request for such an adapter is refused at once, with the
+# operator's message, rather than held.
+BLOCKED_REASONS = frozenset({"Invalid", "BaseServiceNotFound", "BaseServiceInvalid", "LoRANotEnabled",
+                             "NoAdapterDir", "SourceOutsideAdapterDir", "NameTaken"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class AdapterView:
     loaded_pods: frozenset[str] = frozenset()  # pods of the base whose status entry is Loaded
     failures: tuple[tuple[str, str], ...] = ()  # (pod, why) for each Failed entry, sorted by pod
     pending: int = 0  # entries still Loading
+    blocked: str | None = None  # the operator's message when Ready is False for a BLOCKED_REASONS reason
 
     @property
     def key(self) -> str:
@@ -59,6 +65,15 @@ def adapter_view(obj: dict[str, Any], owner_of_namespace: Callable[[str], Owner]
             failures.append((entry["pod"], why))
         else:
             pending += 1
+    blocked = None
+    for condition in status.get("conditions") or []:
+        if (
+            isinstance(condition, dict)
+            and condition.get("type") == "Ready"
+            and condition.get("status") == "False"
+            and condition.get("reason") in BLOCKED_REASONS
+        ):
+            blocked = condition.get("message") or condition["reason"]
     return AdapterView(
         namespace=namespace,
         name=name,
@@ -68,4 +83,5 @@ def adapter_view(obj: dict[str, Any], owner_of_namespace: Callable[[str], Owner]
         loaded_pods=frozenset(loaded),
         failures=tuple(sorted(failures)),
         pending=pending,
+        blocked=blocked,
     )

@@ -153,7 +153,8 @@ def adapter_route(adapter: AdapterView, base: ServiceView | None) -> ServiceView
     """What a request for `adapter` is routed by: its base service (`base`, None when it does not exist)
     narrowed to the replicas where the operator reports the adapter Loaded. Requests for it are held (as
     for a service without a ready replica) while it is loading; `adapter_refusal` says why none is coming:
-    no base service, or every ready replica of the base refused the adapter."""
+    no base service, the operator's Ready condition says no load can succeed (adapters.BLOCKED_REASONS),
+    or every ready replica of the base refused the adapter."""
     if base is None:
         return ServiceView(
             namespace=adapter.namespace, name=adapter.service, served_name=adapter.name, tenant=adapter.tenant,
@@ -162,10 +163,10 @@ def adapter_route(adapter: AdapterView, base: ServiceView | None) -> ServiceView
             adapter_refusal=f"its base InferenceService {adapter.service!r} does not exist",
         )  # fmt: skip
     endpoints = tuple(e for e in base.endpoints if e.pod in adapter.loaded_pods)
-    refusal = None
+    refusal = adapter.blocked
     ready = {e.pod for e in routable(base)}
     failed = dict(adapter.failures)
-    if not endpoints and ready and not adapter.pending and ready <= failed.keys():
+    if refusal is None and not endpoints and ready and not adapter.pending and ready <= failed.keys():
         pod = min(ready)
         refusal = f"every ready replica of its base failed to load it ({pod}: {failed[pod]})"
     return replace(base, served_name=adapter.name, endpoints=endpoints, adapter=adapter.name,
@@ -243,10 +244,14 @@ class ModelIndex:
         self._adapter_by_id: dict[str, ServiceView] = {}
         self._adapter_routes: dict[str, ServiceView] = {}
         for adapter in sorted(adapters, key=lambda a: a.key):
-            view = adapter_route(adapter, self._by_key.get(adapter.service_key))
+            base = self._by_key.get(adapter.service_key)
+            view = adapter_route(adapter, base)
             self._adapter_by_id[view.model_id] = view
             self._adapter_routes[view.key] = view
-            self._by_served.setdefault(view.served_name, []).append(view)
+            # One named like its own base's model (refused by the operator: NameTaken) never shadows the
+            # base: only its `namespace/name` reaches it, to be told why it is refused.
+            if base is None or base.served_name != view.served_name:
+                self._by_served.setdefault(view.served_name, []).append(view)
 
     def __len__(self) -> int:
         return len(self._by_key)
