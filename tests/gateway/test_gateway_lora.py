@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from flotilla.bench.engine.lora import write_random_adapter
-from flotilla.contract import GATEWAY_REQUESTS, REQUEST_SUCCESS, counter_total, engine_token
+from flotilla.contract import GATEWAY_REQUESTS, GATEWAY_RETRIES, REQUEST_SUCCESS, counter_total, engine_token
 from flotilla.gateway.core.adapters import AdapterView
 from flotilla.gateway.core.services import ModelIndex, ServiceView
 
@@ -161,3 +161,21 @@ def test_a_held_adapter_request_times_out_with_a_clear_503(make_gateway):
     assert_error(
         completion("sql", gateway=gateway), 503, "no_replicas", "'sql''s base service", "scaled to 0"
     )
+
+
+def test_a_replica_that_lost_the_adapter_costs_a_retry_not_an_error(lora_engines, adapter_dir, make_gateway):
+    """The status says Loaded on both, but only chat-1's engine has `late` (chat-0's engine restarted and
+    the operator has not loaded it again yet): its 404 sends the request to the other replica."""
+    loaded = httpx.post(lora_engines[1].url + "/v1/load_lora_adapter", trust_env=False,
+                        json={"lora_name": "late", "lora_path": str(adapter_dir / "late")})  # fmt: skip
+    assert loaded.status_code == 200, loaded.text
+    fleet = LoRAFleet([service("chat", [e.url for e in lora_engines])], [lora("late", ("chat-0", "chat-1"))])
+    gateway = make_gateway(fleet, routing="round-robin")
+    urls = [e.url for e in lora_engines]
+    before = [total(u, counter_total(REQUEST_SUCCESS)) for u in urls]
+    for _ in range(4):
+        rsp = completion("late", gateway=gateway)
+        assert rsp.status_code == 200 and rsp.json()["model"] == "late", rsp.text
+    after = [total(u, counter_total(REQUEST_SUCCESS)) for u in urls]
+    assert [b - a for a, b in zip(before, after, strict=True)] == [0, 4]
+    assert total(gateway.url, counter_total(GATEWAY_RETRIES), model="late") >= 1  # chat-0 was tried

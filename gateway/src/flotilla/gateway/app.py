@@ -289,7 +289,8 @@ class Gateway:
         self.metrics.added_latency.observe(sent - arrival)
         exchange = await send(self.client, self.router, lambda: self.fleet.index.get(key), path, content, headers,
                               hashes, known.num_blocks if known else None, self.metrics,
-                              service.served_name, body.get("stream") is True)  # fmt: skip
+                              service.served_name, body.get("stream") is True,
+                              retry_not_found=service.adapter is not None)  # fmt: skip
         self.metrics.upstream_ttfb.labels(service.served_name).observe(time.perf_counter() - sent)
         if prompt_tokens:
             block = known.block_size if known else 1
