@@ -120,7 +120,9 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
 
 
 def test_each_key_reaches_only_its_own_adapter_and_a_killed_replica_is_waited_for(env: Env):
-    (pod,) = wait_for(lambda: _loaded_pods(env.adapter("sql", NS_A)) or None, 300, "sql Loaded")
+    loaded = wait_for(lambda: _loaded_pods(env.adapter("sql", NS_A)) or None, 300, "sql Loaded")
+    assert loaded is not None
+    (pod,) = loaded
     first = env.post("sql")
     assert first.status_code == 200 and first.json()["model"] == "sql", first.text
     assert env.post("tiny").json()["model"] == "tiny"  # the base beside it
