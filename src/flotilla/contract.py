@@ -248,6 +248,7 @@ API_GROUP = "flotilla.dev"
 API_VERSION = "v1alpha1"
 INFERENCE_SERVICES = "inferenceservices"  # plural
 TENANTS = "tenants"  # plural, cluster-scoped
+LORA_ADAPTERS = "loraadapters"  # plural, namespaced: flotilla.operator.api.v1alpha1.LORA_ADAPTER
 POD_SERVICE_LABEL = "flotilla.dev/inferenceservice"  # on every engine pod: its InferenceService's name
 # The engine's tokenizer (tokenizer.json, tokenizer_config.json) and KV block size, as JSON: the gateway
 # tokenizes prompts as the engine does and hashes them with prefix_block_hashes.

@@ -1,5 +1,7 @@
 """The gateway's HTTP app: `/v1/completions`, `/v1/chat/completions` and `/v1/models` for every
-InferenceService, `/health` and `/metrics` of its own.
+InferenceService and LoRA adapter (LoRAAdapter objects: a request's "model" names one like a served model;
+it goes to its base service's replicas where the operator has loaded it), `/health` and `/metrics` of its
+own.
 
 A request passes, in order and before any upstream call: its size (413), its API key (401), its JSON (400),
 its model (404, or 403 for another tenant's), its tenant's rate limits (429), the service's quota (429).
@@ -71,7 +73,9 @@ class Gateway:
                 self.holds.release_all(key)
             elif service.quota_refusal:
                 self.holds.fail(key, service.quota_refusal)
-        keep = {s.key for s in self.fleet.index.services()}
+            elif service.adapter_refusal:
+                self.holds.fail(key, service.adapter_refusal)
+        keep = {s.key for s in [*self.fleet.index.services(), *self.fleet.index.adapters()]}
         self.router.forget_services(keep)
 
     # -- the endpoints --------------------------------------------------------------------------------
@@ -86,8 +90,13 @@ class Gateway:
             tenant = self.authenticate(request)
         except GatewayError as error:
             return error.response()
-        data = [{"id": model_id, "object": "model", "owned_by": service.tenant or "flotilla"}
-                for model_id, service in self.fleet.index.visible_models(tenant)]  # fmt: skip
+        index = self.fleet.index
+        data = []
+        for model_id, service in index.visible_models(tenant):
+            entry = {"id": model_id, "object": "model", "owned_by": service.tenant or "flotilla"}
+            if service.adapter:  # as the engine lists an adapter: `parent` is its base model's id
+                entry["parent"] = index.parent_id(service, tenant)
+            data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, _request: Request) -> Response:
@@ -95,7 +104,7 @@ class Gateway:
         return JSONResponse({"status": "ok" if ready else "starting"}, status_code=200 if ready else 503)
 
     async def metrics_page(self, _request: Request) -> Response:
-        for service in self.fleet.index.services():
+        for service in [*self.fleet.index.services(), *self.fleet.index.adapters()]:
             self.metrics.held.labels(service.served_name).set(self.holds.held(service.key))
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -209,8 +218,16 @@ class Gateway:
         if service.quota_refusal:
             raise GatewayError(429, f"the model {service.served_name!r} cannot get a replica: {service.quota_refusal}",
                                code="insufficient_quota")  # fmt: skip
+        if service.adapter_refusal:
+            raise GatewayError(503, f"the adapter {service.served_name!r} cannot be served: {service.adapter_refusal}",
+                               code="adapter_unavailable", headers={"Retry-After": "10"})  # fmt: skip
         if not scales_from_zero(service) and service.desired_replicas == 0:
-            raise GatewayError(503, f"the model {service.served_name!r} has no replicas (it is scaled to 0)",
+            what = (
+                f"the adapter {service.served_name!r}'s base service"
+                if service.adapter
+                else f"the model {service.served_name!r}"
+            )
+            raise GatewayError(503, f"{what} has no replicas (it is scaled to 0)",
                                code="no_replicas", headers={"Retry-After": "30"})  # fmt: skip
 
     async def wait_for_replica(self, service: ServiceView) -> None:
@@ -227,9 +244,16 @@ class Gateway:
                                f"{service.served_name!r}; retry later", code="hold_queue_full",
                                headers={"Retry-After": "5"})  # fmt: skip
         if isinstance(outcome, Refused):
+            if service.adapter:
+                raise GatewayError(503, f"the adapter {service.served_name!r} cannot be served: {outcome.message}",
+                                   code="adapter_unavailable", headers={"Retry-After": "10"})  # fmt: skip
             raise GatewayError(429, f"the model {service.served_name!r} cannot get a replica: {outcome.message}",
                                code="insufficient_quota")  # fmt: skip
         assert isinstance(outcome, TimedOut)
+        if service.adapter:
+            raise GatewayError(503, f"no replica of {service.served_name!r}'s base service had the adapter loaded "
+                               f"within {outcome.waited_seconds:g}s; retry later", code="no_replica_ready",
+                               headers={"Retry-After": "10"})  # fmt: skip
         raise GatewayError(503, f"no replica of {service.served_name!r} became ready within "
                            f"{outcome.waited_seconds:g}s; retry later", code="no_replica_ready",
                            headers={"Retry-After": "10"})  # fmt: skip
@@ -253,8 +277,11 @@ class Gateway:
         """Tokenize and hash the prompt, route, send; the prompt's tokens are charged to the tenant."""
         endpoints = [e.url for e in routable(service)]
         key = service.key
-        prompt_tokens, hashes = await self.hasher.hashes(key, endpoints, chat, body)
-        known = self.hasher.known(key)
+        # An adapter's prompts use its base's tokenizer, and chain their blocks from the adapter's root.
+        prompt_tokens, hashes = await self.hasher.hashes(
+            service.base_key, endpoints, chat, body, service.adapter
+        )
+        known = self.hasher.known(service.base_key)
         if tenant is not None and prompt_tokens:
             self.limiter.charge_tokens(tenant, prompt_tokens, time.monotonic())
         headers = upstream_headers(tenant, service.namespace, self.settings.engine_token_master)
@@ -262,7 +289,8 @@ class Gateway:
         self.metrics.added_latency.observe(sent - arrival)
         exchange = await send(self.client, self.router, lambda: self.fleet.index.get(key), path, content, headers,
                               hashes, known.num_blocks if known else None, self.metrics,
-                              service.served_name, body.get("stream") is True)  # fmt: skip
+                              service.served_name, body.get("stream") is True,
+                              retry_not_found=service.adapter is not None)  # fmt: skip
         self.metrics.upstream_ttfb.labels(service.served_name).observe(time.perf_counter() - sent)
         if prompt_tokens:
             block = known.block_size if known else 1

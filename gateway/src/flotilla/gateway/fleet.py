@@ -1,4 +1,4 @@
-"""The gateway's picture of the fleet: InferenceServices with their pods, Tenants (who owns which namespace,
+"""The gateway's picture of the fleet: InferenceServices with their pods, LoRAAdapters, Tenants (who owns which namespace,
 and their rate limits) and the tenants' API keys, kept current by watches on the Kubernetes API.
 
 Each change rebuilds the frozen views (services.ModelIndex, keys.KeyRing) whole, so a request reads one
@@ -21,14 +21,16 @@ from flotilla.contract import (
     API_KEY_SECRET_LABEL,
     API_VERSION,
     INFERENCE_SERVICES,
+    LORA_ADAPTERS,
     POD_SERVICE_LABEL,
     TENANTS,
 )
+from flotilla.gateway.core.adapters import adapter_view
 from flotilla.gateway.core.keys import KeyRing
 from flotilla.gateway.core.rate_limit import RateLimits, rate_limits_of
 from flotilla.gateway.core.services import Endpoint, ModelIndex, ServiceView, service_view
 from flotilla.gateway.kube import Kube, WatchEvent
-from flotilla.ownership import owner_of
+from flotilla.ownership import Owner, owner_of
 
 log = logging.getLogger("flotilla.gateway.fleet")
 
@@ -51,7 +53,7 @@ class Fleet:
     def rate_limits(self, tenant: str) -> RateLimits:
         return self.limits.get(tenant) or RateLimits(None, None)
 
-    def endpoint_urls(self) -> list[str]:
+    def endpoint_urls(self) -> list[str]:  # an adapter's replicas are its base's
         return [e.url for s in self.index.services() for e in s.endpoints if e.ready]
 
     async def run(self) -> None:
@@ -88,7 +90,7 @@ class StaticFleet(Fleet):
 
 
 class KubeFleet(Fleet):
-    """Watches InferenceServices and their pods cluster-wide, Tenants, namespaces (their labels: a Tenant
+    """Watches InferenceServices and their pods cluster-wide, LoRAAdapters, Tenants, namespaces (their labels: a Tenant
     may claim a namespace by label), and the key Secrets in one namespace (the gateway's own: reading
     Secrets anywhere else is a privilege it does not need)."""
 
@@ -97,6 +99,7 @@ class KubeFleet(Fleet):
         self.kube, self.keys_namespace = kube, keys_namespace
         self.services: dict[Key, dict] = {}
         self.pods: dict[Key, dict] = {}
+        self.adapters: dict[Key, dict] = {}
         self.tenants: dict[str, dict] = {}
         self.namespaces: dict[str, dict] = {}
         self.secrets: dict[Key, dict] = {}
@@ -107,6 +110,7 @@ class KubeFleet(Fleet):
         watches = {
             "services": (f"{group}/{INFERENCE_SERVICES}", None, self.services),
             "pods": ("/api/v1/pods", {"labelSelector": POD_SERVICE_LABEL}, self.pods),
+            "adapters": (f"{group}/{LORA_ADAPTERS}", None, self.adapters),
             "tenants": (f"{group}/{TENANTS}", None, self.tenants),
             "namespaces": ("/api/v1/namespaces", None, self.namespaces),
             "secrets": (
@@ -153,11 +157,13 @@ class KubeFleet(Fleet):
             service = ((pod.get("metadata") or {}).get("labels") or {}).get(POD_SERVICE_LABEL)
             if service:
                 pods_of.setdefault((namespace, service), []).append(pod)
+
+        def owner(namespace: str) -> Owner:
+            return owner_of(namespace, specs, labels)
+
         self.index = ModelIndex(
-            [
-                service_view(obj, pods_of.get(key, []), lambda ns: owner_of(ns, specs, labels))
-                for key, obj in sorted(self.services.items())
-            ]
+            [service_view(obj, pods_of.get(key, []), owner) for key, obj in sorted(self.services.items())],
+            [adapter_view(obj, owner) for _, obj in sorted(self.adapters.items())],
         )
         self.keys = KeyRing.from_secrets(self.secrets.values())
         self.limits = {name: rate_limits_of(tenant) for name, tenant in self.tenants.items()}

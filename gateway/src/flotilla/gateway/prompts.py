@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from flotilla.contract import ENGINE_TOKENIZER_PATH, prefix_block_hashes
+from flotilla.contract import ENGINE_TOKENIZER_PATH, prefix_block_hashes, root_block_hash
 from flotilla.tokenizer import ModelTokenizer, plain_chat_messages
 
 log = logging.getLogger("flotilla.gateway.prompts")
@@ -62,9 +62,11 @@ class PromptHasher:
         return self.tokenizers.get(key)
 
     async def hashes(
-        self, key: Hashable, endpoints: list[str], chat: bool, body: dict
+        self, key: Hashable, endpoints: list[str], chat: bool, body: dict, lora_name: str | None = None
     ) -> tuple[int, list[int]]:
-        """(prompt tokens, block hashes); (0, []) when unknown."""
+        """(prompt tokens, block hashes); (0, []) when unknown. `key` names the base service (an adapter
+        uses its base's tokenizer); a request for LoRA adapter `lora_name` chains its blocks from that
+        adapter's root, as the engine's prefix cache does, so no hit is predicted across adapters."""
         entry = await self._tokenizer(key, endpoints)
         if entry is None:
             return 0, []
@@ -75,7 +77,8 @@ class PromptHasher:
             return 0, []
         if not ids:
             return 0, []
-        hashes = prefix_block_hashes(ids, entry.block_size) if entry.prefix_caching else []
+        root = root_block_hash(lora_name)
+        hashes = prefix_block_hashes(ids, entry.block_size, root=root) if entry.prefix_caching else []
         return len(ids), hashes
 
     async def _tokenizer(self, key: Hashable, endpoints: list[str]) -> ServiceTokenizer | None:

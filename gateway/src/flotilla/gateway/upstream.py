@@ -98,9 +98,13 @@ async def send(
     metrics: GatewayMetrics,
     model_label: str,
     stream: bool,
+    retry_not_found: bool = False,
 ) -> Exchange:
     """The upstream response, read up to its first output (see the module's docstring). `current` gives
-    the service as it is now, so a retry sees the replicas the watches know of by then."""
+    the service as it is now, so a retry sees the replicas the watches know of by then. `retry_not_found`
+    (a LoRA adapter's request): a 404 is retried on another replica as a 503 is, since a replica whose
+    engine restarted has lost the adapter until the operator's next round loads it again, while its
+    LoRAAdapter's status still says Loaded."""
     exclude: set[str] = set()
     why = "no ready replica"
     for attempt in range(ATTEMPTS):
@@ -115,8 +119,9 @@ async def send(
         try:
             response = await client.send(request, stream=True)
             exchange = Exchange(response, decision, router)
-            if response.status_code == 503 and attempt + 1 < ATTEMPTS:
-                why = f"{decision.endpoint.pod}: 503 (not serving)"
+            retry = response.status_code == 503 or (retry_not_found and response.status_code == 404)
+            if retry and attempt + 1 < ATTEMPTS:
+                why = f"{decision.endpoint.pod}: {response.status_code} (not serving it)"
                 await exchange.close()
             else:
                 if response.status_code == 200:

@@ -8,10 +8,11 @@ the few fields routing needs, and tolerates everything else being absent, as a h
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flotilla.contract import ENGINE_PORT
+from flotilla.gateway.core.adapters import AdapterView
 from flotilla.ownership import Owner
 
 # The engine's KV block size when spec.engine.blockSize is unset: flotilla.engine.config.EngineConfig's
@@ -45,11 +46,27 @@ class ServiceView:
     quota_refusal: str | None = None  # why quota gives the service no replica, if it does not
     block_size: int | None = None  # spec.engine.blockSize; None: the engine's default
     contested: bool = False  # several Tenants claim the namespace: nobody may use the service
+    # A LoRA adapter's routing view (adapter_route): the base service `name` with `served_name` the
+    # adapter's, and only the endpoints where the operator reports the adapter Loaded.
+    adapter: str | None = None
+    adapter_refusal: str | None = None  # why the adapter cannot be served now and will not be soon
 
     @property
     def key(self) -> str:
-        """`namespace/name`: the service's unique id (also a model name clients may send)."""
+        """The unique id of what requests are routed to (holds, prefix tables, demand): `namespace/name`
+        for a service, `namespace/base:adapter` for an adapter (':' is in no Kubernetes name)."""
+        base = f"{self.namespace}/{self.name}"
+        return f"{base}:{self.adapter}" if self.adapter else base
+
+    @property
+    def base_key(self) -> str:
+        """The service's `namespace/name`; for an adapter its base's (whose tokenizer it uses)."""
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def model_id(self) -> str:
+        """`namespace/name`: the id clients may send for it (an adapter's is its LoRAAdapter's)."""
+        return f"{self.namespace}/{self.adapter or self.name}"
 
     @property
     def effective_block_size(self) -> int:
@@ -132,6 +149,30 @@ def scales_from_zero(service: ServiceView) -> bool:
     return service.min_replicas == 0
 
 
+def adapter_route(adapter: AdapterView, base: ServiceView | None) -> ServiceView:
+    """What a request for `adapter` is routed by: its base service (`base`, None when it does not exist)
+    narrowed to the replicas where the operator reports the adapter Loaded. Requests for it are held (as
+    for a service without a ready replica) while it is loading; `adapter_refusal` says why none is coming:
+    no base service, the operator's Ready condition says no load can succeed (adapters.BLOCKED_REASONS),
+    or every ready replica of the base refused the adapter."""
+    if base is None:
+        return ServiceView(
+            namespace=adapter.namespace, name=adapter.service, served_name=adapter.name, tenant=adapter.tenant,
+            contested=adapter.contested, min_replicas=None, desired_replicas=0, gpus_per_replica=0,
+            adapter=adapter.name,
+            adapter_refusal=f"its base InferenceService {adapter.service!r} does not exist",
+        )  # fmt: skip
+    endpoints = tuple(e for e in base.endpoints if e.pod in adapter.loaded_pods)
+    refusal = adapter.blocked
+    ready = {e.pod for e in routable(base)}
+    failed = dict(adapter.failures)
+    if refusal is None and not endpoints and ready and not adapter.pending and ready <= failed.keys():
+        pod = min(ready)
+        refusal = f"every ready replica of its base failed to load it ({pod}: {failed[pod]})"
+    return replace(base, served_name=adapter.name, endpoints=endpoints, adapter=adapter.name,
+                   adapter_refusal=refusal, tenant=adapter.tenant, contested=adapter.contested)  # fmt: skip
+
+
 # -- which service a request's "model" names, and who may use it ------------------------------------------
 
 
@@ -190,14 +231,27 @@ ResolveError = NotFound | Forbidden | Ambiguous
 
 
 class ModelIndex:
-    """Every InferenceService the gateway knows, by `namespace/name` and by served name. Immutable: the
-    gateway builds a new index when a watch changes a service and swaps it in."""
+    """Every InferenceService and LoRA adapter the gateway knows, by `namespace/name` and by served name
+    (an adapter's is its object's name). Immutable: the gateway builds a new index when a watch changes
+    something and swaps it in."""
 
-    def __init__(self, services: Iterable[ServiceView] = ()) -> None:
+    def __init__(self, services: Iterable[ServiceView] = (), adapters: Iterable[AdapterView] = ()) -> None:
         self._by_key: dict[str, ServiceView] = {s.key: s for s in services}
         self._by_served: dict[str, list[ServiceView]] = {}
         for service in sorted(self._by_key.values(), key=lambda s: s.key):
             self._by_served.setdefault(service.served_name, []).append(service)
+        # Adapters: by `namespace/name` (model_id), by routing key, and by name beside the served names.
+        self._adapter_by_id: dict[str, ServiceView] = {}
+        self._adapter_routes: dict[str, ServiceView] = {}
+        for adapter in sorted(adapters, key=lambda a: a.key):
+            base = self._by_key.get(adapter.service_key)
+            view = adapter_route(adapter, base)
+            self._adapter_by_id[view.model_id] = view
+            self._adapter_routes[view.key] = view
+            # One named like its own base's model (refused by the operator: NameTaken) never shadows the
+            # base: only its `namespace/name` reaches it, to be told why it is refused.
+            if base is None or base.served_name != view.served_name:
+                self._by_served.setdefault(view.served_name, []).append(view)
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -205,9 +259,14 @@ class ModelIndex:
     def services(self) -> list[ServiceView]:
         return sorted(self._by_key.values(), key=lambda s: s.key)
 
+    def adapters(self) -> list[ServiceView]:
+        """Every adapter's routing view, by key."""
+        return sorted(self._adapter_routes.values(), key=lambda s: s.key)
+
     def get(self, key: str) -> ServiceView | None:
-        """The service `namespace/name`, visible or not (for the server's own bookkeeping, not requests)."""
-        return self._by_key.get(key)
+        """The service or adapter of routing key `key` (ServiceView.key), visible or not (for the server's
+        own bookkeeping, not requests)."""
+        return self._by_key.get(key) or self._adapter_routes.get(key)
 
     def resolve(self, model: str, tenant: str | None) -> ServiceView | ResolveError:
         """The service `model` names for a caller of `tenant`.
@@ -216,8 +275,13 @@ class ModelIndex:
         like 'org/model', and still works when no service has that key). A bare served name names the one
         service the caller may use that serves it; other tenants' services of the same name do not make it
         ambiguous, and are never listed. Forbidden only when the name exists for nobody the caller may be.
+
+        LoRA adapters are names like served names (their object's name; `namespace/name` after the
+        services' keys): an adapter and a service the caller may both use under one name are ambiguous,
+        like two services, and the answer lists their `namespace/name` ids. Its namespace's owner alone may
+        use an adapter (may_use: the rule of its base service, which is in the same namespace).
         """
-        service = self._by_key.get(model)
+        service = self._by_key.get(model) or self._adapter_by_id.get(model)
         if service is not None:
             return service if may_use(tenant, service) else Forbidden(model)
         serving = self._by_served.get(model, [])
@@ -225,16 +289,25 @@ class ModelIndex:
         if len(usable) == 1:
             return usable[0]
         if usable:
-            return Ambiguous(model, tuple(s.key for s in usable))
+            return Ambiguous(model, tuple(s.model_id for s in usable))
         return Forbidden(model) if serving else NotFound(model)
 
     def visible_models(self, tenant: str | None) -> list[tuple[str, ServiceView]]:
-        """(id, service) for /v1/models: every service the caller may use, by its served name when that
-        resolves to it for this caller, else by `namespace/name`. Sorted by id."""
+        """(id, view) for /v1/models: every service and adapter the caller may use, by its served name
+        when that resolves to it for this caller, else by `namespace/name`. Sorted by id."""
         models = []
-        for service in self._by_key.values():
+        for service in [*self._by_key.values(), *self._adapter_routes.values()]:
             if not may_use(tenant, service):
                 continue
-            bare = self.resolve(service.served_name, tenant)
-            models.append((service.served_name if bare is service else service.key, service))
+            models.append((self._id_for(service, tenant), service))
         return sorted(models, key=lambda pair: (pair[0], pair[1].key))
+
+    def parent_id(self, adapter: ServiceView, tenant: str | None) -> str:
+        """An adapter's `parent` in /v1/models: the id its base service has there for this caller (its
+        `namespace/name` when the base is gone)."""
+        base = self._by_key.get(adapter.base_key)
+        return self._id_for(base, tenant) if base is not None else adapter.base_key
+
+    def _id_for(self, service: ServiceView, tenant: str | None) -> str:
+        bare = self.resolve(service.served_name, tenant)
+        return service.served_name if bare is service else service.model_id
