@@ -125,7 +125,9 @@ def test_each_key_reaches_only_its_own_adapter_and_a_killed_replica_is_waited_fo
     (pod,) = loaded
     first = env.post("sql")
     assert first.status_code == 200 and first.json()["model"] == "sql", first.text
-    assert env.post("tiny").json()["model"] == "tiny"  # the base beside it
+    # The base beside it, by its id (a bare "tiny" may be ambiguous with other tests' shared services).
+    base = env.post(f"{NS_A}/base")
+    assert base.status_code == 200 and base.json()["model"] == "tiny", base.text
     assert env.post(f"{NS_A}/sql").status_code == 200
 
     # Another tenant's adapter: 403 naming only what was sent; unknown: 404; no key: 401.

@@ -112,9 +112,19 @@ def _loaded_in(cluster: ClusterHandle, namespace: str, pod: str) -> dict | None:
     return obj if ready and [(r["pod"], r["phase"]) for r in replicas] == [(pod, "Loaded")] else None
 
 
+@pytest.fixture
+def cleaned(cluster: ClusterHandle, operator: OperatorProcess, namespace: str) -> Iterator[str]:
+    """The namespace, emptied of this test's objects (the operator still running for their finalizers)
+    before the namespace fixture drops it without waiting: a service left in a namespace no Tenant owns
+    is visible to every key through a gateway in later tests, and its served name would become ambiguous."""
+    yield namespace
+    cluster.kubectl("delete", "loraadapter,fisvc", "--all", "-n", namespace, "--timeout=120s", check=False)
+
+
 def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
-    cluster, operator, namespace, tiny_llama, adapter_dir
+    cluster, operator, cleaned, tiny_llama, adapter_dir
 ):
+    namespace = cleaned
     # The replicas see the node folder adapterDir names (mounted at its own path), which holds the adapter.
     lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(adapter_dir.parent)}
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
