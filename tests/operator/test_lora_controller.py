@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import kopf
 import pytest
 
+from flotilla.contract import engine_token
 from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.clients.quota_ledger import World
 from flotilla.operator.config import OperatorConfig
@@ -27,6 +28,7 @@ class FakeEngine:
         self.load_code = 200
         self.unload_codes: list[int] = []  # answered in turn, then 200/404
         self.calls: list[tuple[str, str]] = []
+        self.tokens: list[str | None] = []  # the internal token each load and unload carried
 
 
 @pytest.fixture
@@ -42,9 +44,10 @@ def engines(monkeypatch) -> dict[str, FakeEngine]:
         data += [{"id": n, "root": p, "parent": "tiny"} for n, p in e.served.items()]
         return 200, {"object": "list", "data": data}
 
-    def load(url, name, path):
+    def load(url, name, path, token=None):
         e = engine(url)
         e.calls.append(("load", name))
+        e.tokens.append(token)
         if e.load_code != 200:
             return e.load_code, "refused"
         if name in e.served:
@@ -52,9 +55,10 @@ def engines(monkeypatch) -> dict[str, FakeEngine]:
         e.served[name] = path
         return 200, "Success"
 
-    def unload(url, name):
+    def unload(url, name, token=None):
         e = engine(url)
         e.calls.append(("unload", name))
+        e.tokens.append(token)
         if e.unload_codes:
             return e.unload_codes.pop(0), "in use by 1 request"
         return (200, "Success") if e.served.pop(name, None) else (404, "not loaded")
@@ -91,8 +95,9 @@ def _body(source: str = SOURCE, status: dict | None = None) -> dict:
     }
 
 
-def _memo() -> SimpleNamespace:
-    return SimpleNamespace(runtime=Runtime(config=OperatorConfig(), kube=None))  # type: ignore[arg-type]
+def _memo(master: str | None = None) -> SimpleNamespace:
+    config = OperatorConfig(engine_token_master=master)
+    return SimpleNamespace(runtime=Runtime(config=config, kube=None))  # type: ignore[arg-type]
 
 
 def _round(memo, body: dict, indexes: dict) -> dict:
@@ -189,3 +194,15 @@ def test_the_webhook_refuses_a_bad_source_and_an_adapter_past_the_tenants_limit(
     _admit(memo, old={"spec": {"inferenceService": BASE, "source": "file:///old"}})  # an update adds none
     _admit(memo, namespace="team-b")  # no tenant owns team-b
     _admit(_webhook_memo(3, [(NS, "one"), (NS, "two")]))
+
+
+def test_loads_and_unloads_carry_the_namespaces_internal_token_when_engines_have_one(engines) -> None:
+    """Engines with an internal token load and unload only for callers that send it (docs/lora.md)."""
+    pods = [_pod("p0", "127.7.0.1")]
+    status = _round(_memo("master"), _body(), _indexes(pods))
+    _round(_memo("master"), _body("file:///adapters/sql-v2", status), _indexes(pods))
+    engine = engines.of("http://127.7.0.1:8000/v1")
+    assert engine.calls == [("load", NAME), ("unload", NAME), ("load", NAME)]
+    assert engine.tokens == [engine_token("master", NS)] * 3
+    _round(_memo(), _body("file:///adapters/sql-v3", status), _indexes([_pod("p5", "127.7.0.5")]))
+    assert engines.of("http://127.7.0.5:8000/v1").tokens == [None]  # no master: engines have no token

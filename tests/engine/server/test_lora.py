@@ -306,3 +306,31 @@ def test_per_adapter_metrics_count_requests_and_tokens(lora_server, client):
     )
     assert prompt == len(PROMPT)
     assert ("flotilla_lora_requests_info", "") in after
+
+
+def test_an_engine_with_an_internal_token_loads_and_unloads_only_for_callers_that_send_it(
+    tiny_model, adapters
+):
+    from flotilla.contract import HEADER_INTERNAL_TOKEN
+
+    handle = ServerHandle(tiny_model, {"enable_lora": True, "max_lora_rank": 8}, internal_token="secret")
+    try:
+        body = {"lora_name": "sql", "lora_path": str(adapters["sql"][0])}
+        for headers in ({}, {HEADER_INTERNAL_TOKEN: "wrong"}):
+            refused = httpx.post(
+                f"{handle.url}/v1/load_lora_adapter", json=body, headers=headers, trust_env=False
+            )
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "internal_token_required"
+        assert "sql" not in model_ids(handle)
+        good = {HEADER_INTERNAL_TOKEN: "secret"}
+        loaded = httpx.post(
+            f"{handle.url}/v1/load_lora_adapter", json=body, headers=good, trust_env=False, timeout=60
+        )
+        assert loaded.status_code == 200, loaded.text
+        unload = {"lora_name": "sql"}
+        refused = httpx.post(f"{handle.url}/v1/unload_lora_adapter", json=unload, trust_env=False)
+        assert refused.status_code == 403 and "sql" in model_ids(handle)
+        done = httpx.post(f"{handle.url}/v1/unload_lora_adapter", json=unload, headers=good, trust_env=False)
+        assert done.status_code == 200 and "sql" not in model_ids(handle)
+    finally:
+        handle.stop()

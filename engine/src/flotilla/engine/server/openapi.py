@@ -9,8 +9,8 @@ from pydantic import BaseModel
 from flotilla.engine.server import protocol as api
 
 ERRORS = {code: {"model": api.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
-# The LoRA routes also answer 409 (an adapter in use).
-LORA_ERRORS = ERRORS | {409: {"model": api.ErrorResponse}}
+# The LoRA routes also answer 403 (no internal token) and 409 (an adapter in use).
+LORA_ERRORS = ERRORS | {code: {"model": api.ErrorResponse} for code in (403, 409)}
 BODIES = (api.CompletionRequest, api.ChatCompletionRequest, api.TokenizeRequest, api.DetokenizeRequest,
           api.LoadLoRAAdapterRequest, api.UnloadLoRAAdapterRequest)  # fmt: skip
 

@@ -66,3 +66,19 @@ def request_tenant(headers: Headers, own_tenant: str, internal_token: str | None
             code="invalid_tenant",
         )
     return named
+
+
+def require_internal_token(headers: Headers, internal_token: str | None, what: str) -> None:
+    """A 403 unless the request carries the engine's internal token, where the engine has one: for what
+    only the fleet may do (loading and unloading LoRA adapters: the operator holds the token). An engine
+    without one (a developer's) leaves it to --api-key."""
+    if not internal_token:
+        return
+    given = headers.get(HEADER_INTERNAL_TOKEN)
+    if given is None or not hmac.compare_digest(given.encode(), internal_token.encode()):
+        raise ApiError(
+            403,
+            f"{what} needs this engine's {HEADER_INTERNAL_TOKEN} (the operator's); the request "
+            f"{'has none' if given is None else 'has another'}",
+            code="internal_token_required",
+        )

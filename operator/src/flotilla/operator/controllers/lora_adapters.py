@@ -19,6 +19,7 @@ from typing import cast
 import kopf
 
 from flotilla import timestamps
+from flotilla.contract import engine_token
 from flotilla.operator.api.v1alpha1 import GROUP, LORA_ADAPTER, VERSION
 from flotilla.operator.clients import engine_lora
 from flotilla.operator.controllers import indexes
@@ -49,7 +50,13 @@ def _replicas(kwargs: dict, namespace: str, service: str) -> list[Replica]:
     return desired.ready_replicas(list(store) if store is not None else [])
 
 
-def _converge(name: str, path: str, replica: Replica) -> Outcome:
+def _token(rt: Runtime, namespace: str) -> str | None:
+    """The namespace's internal engine token, which its engines ask of a load or an unload."""
+    master = rt.config.engine_token_master
+    return engine_token(master, namespace) if master is not None else None
+
+
+def _converge(name: str, path: str, replica: Replica, token: str | None) -> Outcome:
     """One replica's round: what its engine serves, then the one call that makes it serve `path`."""
     code, listing = engine_lora.list_models(replica.url)
     if listing is None:
@@ -59,14 +66,14 @@ def _converge(name: str, path: str, replica: Replica) -> Outcome:
     if step is Step.NOTHING:
         return Outcome(desired.LOADED, "Loaded", f"loaded from {path}")
     if step is Step.RELOAD:
-        code, text = engine_lora.unload(replica.url, name)
+        code, text = engine_lora.unload(replica.url, name, token=token)
         if desired.unload_outcome(code) is not Unload.DONE:
             return Outcome(
                 desired.LOADING,
                 "Reloading",
                 f"loaded from {served[name]}; its unload answered {code}: {text}",
             )
-    code, text = engine_lora.load(replica.url, name, path)
+    code, text = engine_lora.load(replica.url, name, path, token=token)
     after = None
     if code != 200:
         _, listing = engine_lora.list_models(replica.url)
@@ -93,7 +100,7 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
             if blocked is None:
                 replicas = _replicas(kwargs, namespace, spec.inference_service)
                 ready = len(replicas)
-                outcomes = {r.pod: _converge(name, path, r) for r in replicas}
+                outcomes = {r.pod: _converge(name, path, r, _token(rt, namespace)) for r in replicas}
         previous = cast(dict, plain(body.get("status") or {}))
         new = desired.status(
             name=name,
@@ -122,7 +129,7 @@ def reconcile(body: kopf.Body, old, patch: kopf.Patch, memo: kopf.Memo, **kwargs
         # engine that still holds it serves it under a name no object owns until it restarts).
         namespace, name = new_body["metadata"]["namespace"], new_body["metadata"]["name"]
         for replica in _replicas(kwargs, namespace, moved_from):
-            engine_lora.unload(replica.url, name)
+            engine_lora.unload(replica.url, name, token=_token(rt, namespace))
     _round(rt, new_body, patch, kwargs)
 
 
@@ -140,9 +147,10 @@ def unload(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs) -> None:
     if spec is None or problems:
         return  # never loaded anywhere
     pending = []
-    with _lock(memo.runtime, (namespace, name)):
+    rt: Runtime = memo.runtime
+    with _lock(rt, (namespace, name)):
         for replica in _replicas(kwargs, namespace, spec.inference_service):
-            code, text = engine_lora.unload(replica.url, name)
+            code, text = engine_lora.unload(replica.url, name, token=_token(rt, namespace))
             outcome = desired.unload_outcome(code)
             if outcome is Unload.RETRY:
                 pending.append(f"{replica.pod} ({code or 'no answer'}: {text.strip()[:200]})")
