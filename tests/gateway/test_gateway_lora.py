@@ -15,7 +15,14 @@ import httpx
 import pytest
 
 from flotilla.bench.engine.lora import write_random_adapter
-from flotilla.contract import GATEWAY_REQUESTS, GATEWAY_RETRIES, REQUEST_SUCCESS, counter_total, engine_token
+from flotilla.contract import (
+    GATEWAY_REQUESTS,
+    GATEWAY_RETRIES,
+    HEADER_INTERNAL_TOKEN,
+    REQUEST_SUCCESS,
+    counter_total,
+    engine_token,
+)
 from flotilla.gateway.core.adapters import AdapterView
 from flotilla.gateway.core.services import ModelIndex, ServiceView
 
@@ -23,6 +30,10 @@ from ..engine.server.conftest import MODEL_NAME
 from .test_gateway import KEY_A, KEY_B, MASTER, HandSetFleet, assert_error, make_gateway, post, service, total
 
 __all__ = ["make_gateway"]  # the fixture, imported
+
+
+# What the operator sends with a load: the namespace's internal token (engines refuse a load without it).
+OPERATOR_HEADERS = {HEADER_INTERNAL_TOKEN: engine_token(MASTER, "ns-team-a")}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +149,7 @@ def test_a_loading_adapter_is_held_until_loaded_and_a_failed_one_is_refused(
         assert time.monotonic() < deadline, "the request for a loading adapter was not held"
         time.sleep(0.01)
     # What the operator does: load it into the replica, then report it Loaded there.
-    loaded = httpx.post(engine.url + "/v1/load_lora_adapter", trust_env=False,
+    loaded = httpx.post(engine.url + "/v1/load_lora_adapter", trust_env=False, headers=OPERATOR_HEADERS,
                         json={"lora_name": "late", "lora_path": str(adapter_dir / "late")})  # fmt: skip
     assert loaded.status_code == 200, loaded.text
     gateway.call_soon(lambda: (fleet.set([base], [lora("late", ("chat-0",))]), fleet.changed()))
@@ -166,7 +177,7 @@ def test_a_held_adapter_request_times_out_with_a_clear_503(make_gateway):
 def test_a_replica_that_lost_the_adapter_costs_a_retry_not_an_error(lora_engines, adapter_dir, make_gateway):
     """The status says Loaded on both, but only chat-1's engine has `late` (chat-0's engine restarted and
     the operator has not loaded it again yet): its 404 sends the request to the other replica."""
-    loaded = httpx.post(lora_engines[1].url + "/v1/load_lora_adapter", trust_env=False,
+    loaded = httpx.post(lora_engines[1].url + "/v1/load_lora_adapter", trust_env=False, headers=OPERATOR_HEADERS,
                         json={"lora_name": "late", "lora_path": str(adapter_dir / "late")})  # fmt: skip
     assert loaded.status_code == 200, loaded.text
     fleet = LoRAFleet([service("chat", [e.url for e in lora_engines])], [lora("late", ("chat-0", "chat-1"))])
