@@ -8,7 +8,6 @@ as in test_gateway.py: the watches' part is tests/gateway/test_adapters.py's."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,7 @@ from flotilla.contract import (
 from flotilla.gateway.core.adapters import AdapterView
 from flotilla.gateway.core.services import ModelIndex, ServiceView
 
-from ..engine.server.conftest import MODEL_NAME
+from ..engine.server.conftest import MODEL_NAME, wait_for
 from .test_gateway import KEY_A, KEY_B, MASTER, HandSetFleet, assert_error, make_gateway, post, service, total
 
 __all__ = ["make_gateway"]  # the fixture, imported
@@ -144,10 +143,10 @@ def test_a_loading_adapter_is_held_until_loaded_and_a_failed_one_is_refused(
     results: dict[str, httpx.Response] = {}
     waiting = threading.Thread(target=lambda: results.update(late=completion("late", gateway=gateway)))
     waiting.start()
-    deadline = time.monotonic() + 30
-    while gateway.gateway.holds.held("ns-team-a/chat:late") < 1:
-        assert time.monotonic() < deadline, "the request for a loading adapter was not held"
-        time.sleep(0.01)
+    wait_for(
+        lambda: gateway.gateway.holds.held("ns-team-a/chat:late") >= 1,
+        what="the request for a loading adapter to be held",
+    )
     # What the operator does: load it into the replica, then report it Loaded there.
     loaded = httpx.post(engine.url + "/v1/load_lora_adapter", trust_env=False, headers=OPERATOR_HEADERS,
                         json={"lora_name": "late", "lora_path": str(adapter_dir / "late")})  # fmt: skip
