@@ -105,6 +105,31 @@ def test_cpu_kernel_matches_dense_attention(block_size, heads, kv_heads, head_di
         torch.testing.assert_close(out[i : i + 1], ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,seq_lens", CPU_KERNEL_CASES)
+@pytest.mark.parametrize("magnitude", [1.0, 40.0])
+def test_cpu_kernel_over_bfloat16_caches_matches_float32_attention_over_the_same_values(
+    block_size, heads, kv_heads, head_dim, seq_lens, magnitude
+):
+    """bfloat16 caches and queries: the kernel widens each value exactly and adds in float32, so the only
+    difference from float32 attention over the same (bfloat16) values is the output's rounding."""
+    k_cache, v_cache, tables, dense_k, dense_v = random_paged(
+        seq_lens, kv_heads, head_dim, block_size, seed=5
+    )
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(6)) * magnitude
+    q = q.bfloat16()
+    scale = head_dim**-0.5
+    out = cpu_decode.paged_decode(
+        q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), scale
+    )
+    assert out.dtype == torch.bfloat16
+    for i in range(len(seq_lens)):
+        k, v = dense_k[i].bfloat16().float(), dense_v[i].bfloat16().float()
+        ref = dense_attention(q[i : i + 1].float(), k, v, scale)
+        # One rounding to bfloat16 (8 bits of mantissa) is all that separates them.
+        torch.testing.assert_close(out[i : i + 1].float(), ref, atol=1e-5, rtol=2**-8)
+
+
 def test_cpu_kernel_reads_block_table_rows_with_a_stride_and_leaves_the_caches_alone():
     """Rows of a wider table (the engine's padded block tables) and an empty batch."""
     k_cache, v_cache, tables, dense_k, dense_v = random_paged([20, 9], 2, 64, 8, seed=5)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from flotilla.engine.config import EngineConfig
 from flotilla.engine.kernels import cpu_decode
-from flotilla.engine.kernels.linear import Linear, uses_onednn
+from flotilla.engine.kernels.linear import ONEDNN_DTYPES, Linear, uses_onednn
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.worker.model_runner import pick_backend
 
@@ -41,10 +41,11 @@ def model(head_dim=64, heads=8, kv_heads=4) -> ModelConfig:
     )  # fmt: skip
 
 
-def test_auto_picks_the_kernel_for_float32_on_the_cpu_and_torch_otherwise():
+def test_auto_picks_the_kernel_for_float32_and_bfloat16_on_the_cpu_and_torch_otherwise():
     cpu = torch.device("cpu")
     assert pick_backend("auto", cpu, torch.float32, 16, [model()]).name == "cpu"
-    assert pick_backend("auto", cpu, torch.bfloat16, 16, [model()]).name == "torch"
+    assert pick_backend("auto", cpu, torch.bfloat16, 16, [model()]).name == "cpu"
+    assert pick_backend("auto", cpu, torch.float16, 16, [model()]).name == "torch"
     assert pick_backend("torch", cpu, torch.float32, 16, [model()]).name == "torch"
     # A draft whose heads the kernel does not handle keeps both models on the torch path.
     assert pick_backend("auto", cpu, torch.float32, 16, [model(), model(head_dim=68)]).name == "torch"
@@ -53,9 +54,10 @@ def test_auto_picks_the_kernel_for_float32_on_the_cpu_and_torch_otherwise():
 def test_asking_for_the_cpu_backend_where_it_cannot_serve_says_why():
     cpu = torch.device("cpu")
     with pytest.raises(
-        ValueError, match=r"--attention-backend cpu: it reads float32 caches, the dtype is bfloat16"
+        ValueError,
+        match=r"--attention-backend cpu: it reads float32 and bfloat16 caches, the dtype is float16",
     ):
-        pick_backend("cpu", cpu, torch.bfloat16, 16, [model()])
+        pick_backend("cpu", cpu, torch.float16, 16, [model()])
     with pytest.raises(ValueError, match=r"--attention-backend cpu: head_dim 68"):
         pick_backend("cpu", cpu, torch.float32, 16, [model(head_dim=68)])
     with pytest.raises(
@@ -77,7 +79,12 @@ def test_the_onednn_linear_matches_f_linear_and_keeps_autograd():
     with torch.inference_mode():
         assert uses_onednn(x, layer.weight) == torch.backends.mkldnn.is_available()
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-        assert not uses_onednn(x.bfloat16(), layer.weight.bfloat16())
+        assert not uses_onednn(x.half(), layer.weight.half())
+        assert not uses_onednn(x.bfloat16(), layer.weight)  # mixed dtypes: F.linear says what is wrong
+        bf16 = Linear(48, 40, bias=True).bfloat16()
+        assert uses_onednn(x.bfloat16(), bf16.weight) == (torch.bfloat16 in ONEDNN_DTYPES)
+        # Both add in float32 and round once to bfloat16.
+        torch.testing.assert_close(bf16(x.bfloat16()), F.linear(x.bfloat16(), bf16.weight, bf16.bias))
     # With autograd on (a trainer, a test) it is F.linear: gradients flow.
     assert not uses_onednn(x, layer.weight)
     layer(x).sum().backward()
@@ -95,17 +102,22 @@ def test_packing_for_the_cpu_keeps_the_outputs_and_leaves_shared_weights_plain()
     model.head = Linear(48, 40, bias=False)
     model.head.weight = model.embed.weight  # tied, like an LM head sharing the embedding
     model.bf16 = Linear(48, 40).bfloat16()
+    model.fp16 = Linear(48, 40).half()
     x = torch.randn(7, 48)
     with torch.inference_mode():
-        before = model.proj(x), model.head(x)
+        before = model.proj(x), model.head(x), model.bf16(x.bfloat16())
     if not torch.backends.mkldnn.is_available():
         assert pack_for_cpu(model) == 0
         return
-    assert pack_for_cpu(model) == 1  # proj only: head is shared, bf16 is not float32
-    assert model.proj.weight.is_mkldnn and not model.head.weight.is_mkldnn and not model.bf16.weight.is_mkldnn
+    bf16_packed = torch.bfloat16 in ONEDNN_DTYPES
+    # proj, and bf16 where the CPU runs bfloat16 in oneDNN; head is shared, fp16 is float16.
+    assert pack_for_cpu(model) == 1 + bf16_packed
+    assert model.proj.weight.is_mkldnn and not model.head.weight.is_mkldnn and not model.fp16.weight.is_mkldnn
+    assert model.bf16.weight.is_mkldnn == bf16_packed
     assert model.head.weight is model.embed.weight
     with torch.inference_mode():
         torch.testing.assert_close(model.proj(x), before[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(model.head(x), before[1])
+        torch.testing.assert_close(model.bf16(x.bfloat16()), before[2])
         assert model.proj(torch.randn(300, 48)).shape == (300, 40)  # any batch size, not only the packed one
     assert pack_for_cpu(model) == 0  # idempotent

@@ -1,4 +1,4 @@
-"""The CPU's paged decode kernel (paged_decode.c): built on first use with the system C compiler, loaded
+"""The CPU's paged decode kernel (paged_decode.c, float32 and bfloat16 caches): built on first use with the system C compiler, loaded
 with ctypes, called on torch tensors' memory.
 
 The build is a plain shared library (no torch headers: about a second), tuned for the machine it runs on
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-SYMBOL = "flotilla_paged_decode_f32"
+# The kernel's entry point per cache dtype: queries and outputs are float32 in both.
+SYMBOLS = {torch.float32: "flotilla_paged_decode_f32", torch.bfloat16: "flotilla_paged_decode_bf16"}
 # paged_decode.c's MAX_HEAD_DIM, MAX_GROUP and MAX_BLOCK.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 16, 64
 
@@ -93,11 +94,12 @@ def load() -> ctypes.CDLL:
             log.info("kernel cache %s unusable (%s); building in %s", _cache_dir(), exc, target.parent)
             _build(compiler, target)
     lib = ctypes.CDLL(str(target))
-    fn = getattr(lib, SYMBOL)
     i32, i64 = ctypes.c_int32, ctypes.c_int64
     ptr = ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = ctypes.c_int32
+    for symbol in SYMBOLS.values():
+        fn = getattr(lib, symbol)
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        fn.restype = ctypes.c_int32
     return lib
 
 
@@ -117,8 +119,8 @@ def unusable(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads:
     """None when the kernel serves this device, KV dtype and model; otherwise why not."""
     if device.type != "cpu":
         return f"it runs on the CPU, the device is {device.type}"
-    if dtype != torch.float32:
-        return f"it reads float32 caches, the dtype is {str(dtype).removeprefix('torch.')}"
+    if dtype not in SYMBOLS:
+        return f"it reads float32 and bfloat16 caches, the dtype is {str(dtype).removeprefix('torch.')}"
     if reason := shape_limits(head_dim, num_heads, num_kv_heads, block_size):
         return reason
     try:
@@ -129,14 +131,17 @@ def unusable(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads:
 
 
 def paged_decode(
-    query: torch.Tensor,  # [B, H, D] float32
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32, contiguous
+    query: torch.Tensor,  # [B, H, D], the caches' dtype (or float32)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 or bfloat16, contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, >= ceil(max seq_len / block_size)] int32, rows contiguous
     seq_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:
-    query = query.contiguous()
+    dtype = query.dtype
+    query = query.to(
+        torch.float32
+    ).contiguous()  # a copy of a few KiB for bfloat16: the kernel adds in float32
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cache_dim == head_dim):
@@ -147,15 +152,17 @@ def paged_decode(
         raise ValueError("block_tables and seq_lens must be int32, block_tables' rows contiguous")
     if reason := shape_limits(head_dim, num_heads, num_kv_heads, block_size):
         raise ValueError(reason)
+    if k_cache.dtype not in SYMBOLS or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches must be float32 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
     out = torch.empty_like(query)
     if batch == 0:
-        return out
-    load().flotilla_paged_decode_f32(
+        return out.to(dtype)
+    getattr(load(), SYMBOLS[k_cache.dtype])(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
     )  # fmt: skip
-    return out
+    return out.to(dtype)
 
 
 @dataclass
@@ -165,7 +172,7 @@ class CpuDecodePlan:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decode through the compiled kernel (float32 caches only; prefill chunks, and
+    """The torch backend with decode through the compiled kernel (float32 and bfloat16 caches; prefill chunks, and
     speculative verification's several tokens per request, keep the torch path)."""
 
     name = "cpu"

@@ -1,11 +1,13 @@
-/* Paged decode attention for float32 on the CPU: one query token per request reads its keys and values
- * straight from the paged cache, block by block, with an online softmax. Nothing is gathered into a
+/* Paged decode attention on the CPU: one query token per request reads its keys and values straight from
+ * the paged cache, block by block, with an online softmax. Caches are float32 or bfloat16 (one function
+ * each); queries, outputs and all arithmetic are float32 (a bfloat16 value is the top half of a float32's
+ * bits, so widening it is exact). Nothing is gathered into a
  * contiguous copy, so each K/V byte is read once per step; the query heads that share a KV head (GQA) are
  * served by the same pass over it.
  *
  * Layouts (row-major, as flotilla.engine.kernels.attention documents them):
- *   query, out    [B, H, D]          (D a multiple of 8, at most MAX_HEAD_DIM)
- *   k/v cache     [num_blocks, block_size, KVH, D]
+ *   query, out    [B, H, D] float32  (D a multiple of 8, at most MAX_HEAD_DIM)
+ *   k/v cache     [num_blocks, block_size, KVH, D] float32 or bfloat16
  *   block_tables  [B, table_stride] int32; seq_lens [B] int32 (tokens to attend, >= 1)
  * Work items are a request's KV heads (or one of them, in small batches), shared among OpenMP threads.
  * The library is loaded after torch, whose libgomp.so.1 it then uses: one thread pool for torch's ops and
@@ -25,6 +27,7 @@
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 static inline float hsum(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -66,12 +69,25 @@ static inline v8f load8(const float *p) {
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
+/* Eight cache values from element `index` of a float32 (bf16 == 0) or bfloat16 cache, as float32. The
+ * callers pass bf16 as a constant, so each inlined copy keeps one branch. */
+static inline __attribute__((always_inline)) v8f load_kv8(const void *cache, int64_t index, const int bf16) {
+    if (!bf16) return load8((const float *)cache + index);
+    v8u16 halves;
+    memcpy(&halves, (const uint16_t *)cache + index, sizeof halves);
+    const v8i bits = __builtin_convertvector(halves, v8i) << 16;
+    v8f v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* One request's `kv_count` KV heads from its first: their query heads (group per KV head, rows of q and o)
  * attend to `len` tokens through `table`. Each block is read whole, heads after heads, while it is hot in
  * the cache: a block of all KV heads is one contiguous run of memory, which the prefetcher streams. */
-static void attend_heads(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                         int len, float *o, int kv_count, int group, int head_dim, int block_size,
-                         int64_t token_stride, float scale) {
+static inline __attribute__((always_inline)) void attend_heads(
+    const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int len, float *o,
+    int kv_count, int group, int head_dim, int block_size, int64_t token_stride, float scale, const int bf16) {
+    const int elem = bf16 ? 2 : 4; /* bytes per cache value */
     const int nv = head_dim / 8;
     const int rows = kv_count * group; /* <= MAX_GROUP */
     v8f acc[MAX_GROUP][MAX_HEAD_DIM / 8];
@@ -87,10 +103,10 @@ static void attend_heads(const float *q, const float *k_cache, const float *v_ca
         const int n = len - start < block_size ? len - start : block_size;
         if (start + block_size < len) { /* ask for the next block's lines while this one computes */
             const int64_t next = table[start / block_size + 1] * block_size * token_stride;
-            const int bytes = kv_count * head_dim * (int)sizeof(float);
+            const int bytes = kv_count * head_dim * elem;
             for (int t = 0; t < block_size; t++) {
-                const char *k = (const char *)(k_cache + next + t * token_stride);
-                const char *v = (const char *)(v_cache + next + t * token_stride);
+                const char *k = (const char *)k_cache + (next + t * token_stride) * elem;
+                const char *v = (const char *)v_cache + (next + t * token_stride) * elem;
                 for (int off = 0; off < bytes; off += 64) {
                     __builtin_prefetch(k + off);
                     __builtin_prefetch(v + off);
@@ -98,25 +114,25 @@ static void attend_heads(const float *q, const float *k_cache, const float *v_ca
             }
         }
         for (int c = 0; c < kv_count; c++) {
-            const float *keys = k_cache + block * block_size * token_stride + (int64_t)c * head_dim;
-            const float *values = v_cache + block * block_size * token_stride + (int64_t)c * head_dim;
+            const int64_t keys = block * block_size * token_stride + (int64_t)c * head_dim; /* element index */
+            const int64_t values = keys;
             const int h0 = c * group;
             /* Scores, four tokens at a time (a partial last tile repeats its first token, unused). */
             for (int t = 0; t < n; t += 4) {
-                const float *k0 = keys + (int64_t)t * token_stride;
+                const int64_t k0 = keys + (int64_t)t * token_stride;
                 const int tile = n - t < 4 ? n - t : 4;
-                const float *k1 = tile > 1 ? k0 + token_stride : k0;
-                const float *k2 = tile > 2 ? k0 + 2 * token_stride : k0;
-                const float *k3 = tile > 3 ? k0 + 3 * token_stride : k0;
+                const int64_t k1 = tile > 1 ? k0 + token_stride : k0;
+                const int64_t k2 = tile > 2 ? k0 + 2 * token_stride : k0;
+                const int64_t k3 = tile > 3 ? k0 + 3 * token_stride : k0;
                 for (int h = h0; h < h0 + group; h++) {
                     const float *qh = q + (int64_t)h * head_dim;
                     v8f s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
                     for (int d = 0; d < head_dim; d += 8) {
                         const v8f qv = load8(qh + d);
-                        s0 += qv * load8(k0 + d);
-                        s1 += qv * load8(k1 + d);
-                        s2 += qv * load8(k2 + d);
-                        s3 += qv * load8(k3 + d);
+                        s0 += qv * load_kv8(k_cache, k0 + d, bf16);
+                        s1 += qv * load_kv8(k_cache, k1 + d, bf16);
+                        s2 += qv * load_kv8(k_cache, k2 + d, bf16);
+                        s3 += qv * load_kv8(k_cache, k3 + d, bf16);
                     }
                     scores[h][t] = hsum(s0) * scale;
                     if (tile > 1) scores[h][t + 1] = hsum(s1) * scale;
@@ -147,10 +163,10 @@ static void attend_heads(const float *q, const float *k_cache, const float *v_ca
                 }
             }
             for (int t = 0; t < n; t++) {
-                const float *v = values + (int64_t)t * token_stride;
+                const int64_t v = values + (int64_t)t * token_stride;
                 for (int h = h0; h < h0 + group; h++) {
                     const v8f p = splat(scores[h][t]);
-                    for (int d = 0; d < nv; d++) acc[h][d] += p * load8(v + 8 * d);
+                    for (int d = 0; d < nv; d++) acc[h][d] += p * load_kv8(v_cache, v + 8 * d, bf16);
                 }
             }
         }
@@ -161,11 +177,12 @@ static void attend_heads(const float *q, const float *k_cache, const float *v_ca
     }
 }
 
-/* Returns 0, or -1 when a size is past what this build handles (the caller checks first). */
-int flotilla_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
-                              const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                              float *out, int32_t num_requests, int32_t num_heads, int32_t num_kv_heads,
-                              int32_t head_dim, int32_t block_size, float scale, int32_t num_threads) {
+/* Both entry points: returns 0, or -1 when a size is past what this build handles (the caller checks
+ * first). `bf16` is a constant in each, so each gets its own copy of the loops. */
+static inline __attribute__((always_inline)) int paged_decode(
+    const float *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+    int64_t table_stride, const int32_t *seq_lens, float *out, int32_t num_requests, int32_t num_heads,
+    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale, int32_t num_threads, const int bf16) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK ||
         num_heads % num_kv_heads)
@@ -176,6 +193,7 @@ int flotilla_paged_decode_f32(const float *query, const float *k_cache, const fl
     int chunk = 1;
     if (num_requests >= 4 * num_threads) chunk = MAX_GROUP / group < num_kv_heads ? MAX_GROUP / group : num_kv_heads;
     const int chunks = (num_kv_heads + chunk - 1) / chunk;
+    const int elem = bf16 ? 2 : 4;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int r = 0; r < num_requests; r++) {
@@ -183,10 +201,27 @@ int flotilla_paged_decode_f32(const float *query, const float *k_cache, const fl
             const int first = c * chunk;
             const int count = num_kv_heads - first < chunk ? num_kv_heads - first : chunk;
             const int64_t first_head = (int64_t)r * num_heads + (int64_t)first * group;
-            attend_heads(query + first_head * head_dim, k_cache + (int64_t)first * head_dim,
-                         v_cache + (int64_t)first * head_dim, block_tables + (int64_t)r * table_stride, seq_lens[r],
-                         out + first_head * head_dim, count, group, head_dim, block_size, token_stride, scale);
+            const int64_t head_offset = (int64_t)first * head_dim * elem; /* bytes */
+            attend_heads(query + first_head * head_dim, (const char *)k_cache + head_offset,
+                         (const char *)v_cache + head_offset, block_tables + (int64_t)r * table_stride, seq_lens[r],
+                         out + first_head * head_dim, count, group, head_dim, block_size, token_stride, scale, bf16);
         }
     }
     return 0;
+}
+
+int flotilla_paged_decode_f32(const float *query, const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                              float *out, int32_t num_requests, int32_t num_heads, int32_t num_kv_heads,
+                              int32_t head_dim, int32_t block_size, float scale, int32_t num_threads) {
+    return paged_decode(query, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_requests,
+                        num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, 0);
+}
+
+int flotilla_paged_decode_bf16(const float *query, const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                               float *out, int32_t num_requests, int32_t num_heads, int32_t num_kv_heads,
+                               int32_t head_dim, int32_t block_size, float scale, int32_t num_threads) {
+    return paged_decode(query, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_requests,
+                        num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, 1);
 }

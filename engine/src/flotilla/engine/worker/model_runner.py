@@ -38,7 +38,7 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 def pick_backend(
     name: str, device: torch.device, dtype: torch.dtype, block_size: int, models: list[ModelConfig]
 ):
-    """`auto`: Triton on CUDA; on the CPU the compiled decode kernel where it serves (float32, a C
+    """`auto`: Triton on CUDA; on the CPU the compiled decode kernel where it serves (float32 or bfloat16, a C
     compiler, head sizes it handles for every model it serves: the target and any draft), else the torch
     path. Asking for `cpu` where it cannot serve is an error that says why."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
