@@ -15,7 +15,7 @@ from flotilla.engine.core.lora_slots import NO_SLOT
 from flotilla.engine.core.outputs import ModelInfo, SampledLogprob
 from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from flotilla.engine.kernels import cpu_decode, huge_pages
+from flotilla.engine.kernels import cpu_decode
 from flotilla.engine.kernels.attention import TorchAttentionBackend
 from flotilla.engine.kernels.linear import pack_for_cpu
 from flotilla.engine.kernels.lora import Segment
@@ -149,8 +149,8 @@ class ModelRunner:
         )
         self.kv_caches = [
             (
-                huge_pages.zeros(shape, self.dtype, self.device),
-                huge_pages.zeros(shape, self.dtype, self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(model_config.num_hidden_layers)
         ]
