@@ -230,6 +230,19 @@ def test_completions_and_a_streamed_chat_through_envoy_with_the_openai_client(en
     assert codes(front) == {"200": 4}
 
 
+def test_a_client_that_disconnects_through_envoy_aborts_the_engines_request(engines, make_front):
+    engine = engines[0]
+    front = make_front(HandSetFleet([service("chat", [engine.url])]))
+    body = chat_body("a long answer", max_tokens=80, stream=True)
+    with httpx.stream("POST", front.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False,
+                      headers={"Authorization": f"Bearer {KEY_A}"}) as rsp:  # fmt: skip
+        assert rsp.status_code == 200, rsp.read()
+        next(rsp.iter_lines())  # one chunk, then hang up
+    engine.assert_no_leak()  # Envoy reset the upstream stream: the engine freed its blocks
+    assert total(engine.url, counter_total(REQUEST_SUCCESS), finish_reason="abort") == 1
+    wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
+
+
 def test_the_destination_header_and_the_trusted_headers_reach_the_picked_engine(recording, make_front):
     front = make_front(HandSetFleet([service("chat", [recording.url])]))
     spoofed = {"Authorization": f"Bearer {KEY_A}", HEADER_TENANT: "team-b", "X-Flotilla-Anything": "1",
