@@ -57,6 +57,8 @@ from .test_gateway import (
 __all__ = ["engines", "make_gateway"]  # the fixtures, imported
 MAX_BODY = 4096
 MESSAGE_TIMEOUT = 0.5  # seconds; Envoy's default is 0.2
+# Flotilla's processing mode, and GIE's reference one (what other GIE gateways configure).
+BODY_MODES = pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
 
 
 def envoy_stat(envoy: EnvoyProcess, suffix: str) -> float:
@@ -126,12 +128,13 @@ class RecordingEngine:
 
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
+        self.bodies: list[bytes] = []
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
-                self.rfile.read(int(self.headers.get("content-length") or 0))
                 recorder.seen.append({k.lower(): v for k, v in self.headers.items()})
+                recorder.bodies.append(self.read_body())
                 body = json.dumps({"id": "x", "object": "chat.completion", "model": MODEL_NAME, "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()  # fmt: skip
@@ -140,6 +143,16 @@ class RecordingEngine:
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def read_body(self) -> bytes:
+                if self.headers.get("transfer-encoding", "").lower() != "chunked":
+                    return self.rfile.read(int(self.headers.get("content-length") or 0))
+                body = b""
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()  # the last chunk's line end (no trailers)
+                return body
 
             def do_GET(self) -> None:  # noqa: N802  (the gateway's tokenizer and stats lookups)
                 self.send_response(404)
@@ -174,10 +187,13 @@ def codes(front: Front) -> dict[str, float]:
 
 
 # -- refusals: the relay's rules, answered by Envoy from the picker's ImmediateResponse ---------------------
-def test_keys_tenants_and_bad_input_are_refused_through_envoy_as_the_relay_refuses_them(engines, make_front):
+@BODY_MODES
+def test_keys_tenants_and_bad_input_are_refused_through_envoy_as_the_relay_refuses_them(
+    engines, make_front, body_mode
+):
     engine = engines[0]
     other = service("theirs", [engine.url], tenant="team-b", served_name="theirs")
-    front = make_front(HandSetFleet([service("chat", [engine.url]), other]))
+    front = make_front(HandSetFleet([service("chat", [engine.url]), other]), {"body_mode": body_mode})
     assert_error(post(front, chat_body("hi"), key=None), 401, "invalid_api_key", "missing API key")
     unauthorized = post(front, chat_body("hi"), key="fl-wrong")
     assert_error(unauthorized, 401, "invalid_api_key", "invalid API key")
@@ -209,8 +225,9 @@ def test_a_tenant_past_its_request_rate_gets_429_with_retry_after_through_envoy(
 
 
 # -- served: the pick, the trusted headers, streaming --------------------------------------------------------
-def test_completions_and_a_streamed_chat_through_envoy_with_the_openai_client(engines, make_front):
-    front = make_front(HandSetFleet([service("chat", [engines[0].url])]))
+@BODY_MODES
+def test_completions_and_a_streamed_chat_through_envoy_with_the_openai_client(engines, make_front, body_mode):
+    front = make_front(HandSetFleet([service("chat", [engines[0].url])]), {"body_mode": body_mode})
     client = openai.OpenAI(base_url=front.url + "/v1", api_key=KEY_A, max_retries=0)
     completion = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4,
                                            extra_body={"ignore_eos": True})  # fmt: skip
@@ -243,8 +260,11 @@ def test_a_client_that_disconnects_through_envoy_aborts_the_engines_request(engi
     wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
 
 
-def test_the_destination_header_and_the_trusted_headers_reach_the_picked_engine(recording, make_front):
-    front = make_front(HandSetFleet([service("chat", [recording.url])]))
+@BODY_MODES
+def test_the_destination_header_and_the_trusted_headers_reach_the_picked_engine(
+    recording, make_front, body_mode
+):
+    front = make_front(HandSetFleet([service("chat", [recording.url])]), {"body_mode": body_mode})
     spoofed = {"Authorization": f"Bearer {KEY_A}", HEADER_TENANT: "team-b", "X-Flotilla-Anything": "1",
                DESTINATION_ENDPOINT_HEADER: "10.9.9.9:1"}  # fmt: skip
     answer = httpx.post(front.url + "/v1/chat/completions", json=chat_body("hi") | {"model": "ns-team-a/chat"},
@@ -255,7 +275,10 @@ def test_the_destination_header_and_the_trusted_headers_reach_the_picked_engine(
     assert seen[HEADER_TENANT.lower()] == "team-a"
     assert seen[HEADER_INTERNAL_TOKEN.lower()] == engine_token(MASTER, "ns-team-a")
     assert "authorization" not in seen and "x-flotilla-anything" not in seen
-    assert int(seen["content-length"]) == len(json.dumps(chat_body("hi")).encode())  # the rewritten body
+    # The body names the served model, whole (sent with its new length, or chunked in full-duplex mode).
+    assert json.loads(recording.bodies[-1]) == chat_body("hi")
+    if body_mode == "BUFFERED":
+        assert int(seen["content-length"]) == len(recording.bodies[-1])
 
 
 def test_prefix_routing_through_envoy_keeps_a_shared_prompt_on_one_replica(engines, make_front):
@@ -289,11 +312,12 @@ def test_an_empty_pool_is_503(make_front):
     assert_error(post(front, chat_body("hello")), 503, "no_replicas", "scaled to 0")
 
 
-def test_a_request_at_zero_replicas_is_held_by_the_picker_then_served(engines, make_front):
+@BODY_MODES
+def test_a_request_at_zero_replicas_is_held_by_the_picker_then_served(engines, make_front, body_mode):
     cold = service("chat", [], min_replicas=0, desired_replicas=0)
     fleet = HandSetFleet([cold])
     # Envoy waits MESSAGE_TIMEOUT for each of the picker's answers: the held request asks it for longer.
-    front = make_front(fleet, envoy_options={"message_timeout": MESSAGE_TIMEOUT}, hold_timeout=60)
+    front = make_front(fleet, {"message_timeout": MESSAGE_TIMEOUT, "body_mode": body_mode}, hold_timeout=60)
     results: dict[str, httpx.Response] = {}
     waiting = threading.Thread(target=lambda: results.setdefault("held", post(front, chat_body("wake up"))))
     waiting.start()

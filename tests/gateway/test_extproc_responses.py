@@ -18,7 +18,7 @@ from flotilla.gateway.config import HOLD_MARGIN_SECONDS
 from flotilla.gateway.errors import GatewayError
 from flotilla.gateway.extproc import health, responses
 from flotilla.gateway.extproc.protos import HeaderValue, HttpHeaders, ProcessingRequest, Struct
-from flotilla.gateway.proxy.bootstrap import ENGINES_CLUSTER, PICKER_CLUSTER, bootstrap
+from flotilla.gateway.proxy.bootstrap import ENGINES_CLUSTER, PICKER_CLUSTER, bootstrap, processing_mode
 
 
 def set_headers(mutation) -> dict[str, str]:
@@ -139,3 +139,32 @@ def test_the_bootstrap_wires_ext_proc_to_the_picker_and_the_router_to_the_picked
     assert opened["static_resources"]["clusters"][0]["type"] == "STRICT_DNS"
     with pytest.raises(ValueError, match="failure_mode"):
         bootstrap(picker_host="x", picker_port=1, failure_mode="Sometimes")  # type: ignore[arg-type]
+
+
+def test_in_full_duplex_mode_the_pick_answers_the_headers_and_hands_the_body_back():
+    headers, body = responses.picked_streamed(
+        "10.0.0.7:8000", {}, ["authorization"], b'{"model":"chat"}', True
+    )
+    mutation = headers.request_headers.response.header_mutation
+    assert set_headers(mutation) == {DESTINATION_ENDPOINT_HEADER: "10.0.0.7:8000", "content-length": "16"}
+    assert list(mutation.remove_headers) == ["authorization"]
+    assert (
+        headers.dynamic_metadata.fields[DESTINATION_METADATA_NAMESPACE]
+        .struct_value.fields[DESTINATION_ENDPOINT_HEADER]
+        .string_value
+        == "10.0.0.7:8000"
+    )
+    streamed = body.request_body.response.body_mutation.streamed_response
+    assert streamed.body == b'{"model":"chat"}' and streamed.end_of_stream
+    echoed = responses.streamed_body(b"data: {}\n\n", False, request_phase=False)
+    assert echoed.response_body.response.body_mutation.streamed_response.body == b"data: {}\n\n"
+
+
+def test_the_processing_modes():
+    assert processing_mode("BUFFERED")["request_body_mode"] == "BUFFERED"
+    assert processing_mode("BUFFERED")["response_body_mode"] == "STREAMED"
+    duplex = processing_mode("FULL_DUPLEX_STREAMED")
+    assert duplex["request_body_mode"] == duplex["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert duplex["request_trailer_mode"] == duplex["response_trailer_mode"] == "SEND"
+    with pytest.raises(ValueError, match="body_mode"):
+        processing_mode("STREAMED")  # type: ignore[arg-type]

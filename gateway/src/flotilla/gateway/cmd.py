@@ -64,6 +64,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                            help="Envoy's admin (loopback only): /ready, /stats/prometheus")  # fmt: skip
         envoy.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose",
                            help="FailClose (default): no picker, no request; FailOpen: Envoy passes requests on unchecked")  # fmt: skip
+        envoy.add_argument("--body-mode", choices=["BUFFERED", "FULL_DUPLEX_STREAMED"], default="BUFFERED",
+                           help="how bodies pass the picker: BUFFERED (default) or GIE's reference full-duplex streaming")  # fmt: skip
         envoy.add_argument("--max-body-bytes", type=int, default=None)
         envoy.add_argument("--hold-timeout", type=float, default=None, help="as the gateway's")
         envoy.set_defaults(func=_envoy_config if name == "envoy-config" else _envoy)
@@ -146,6 +148,7 @@ def _bootstrap(args: argparse.Namespace) -> dict:
     defaults = GatewaySettings()
     return bootstrap(picker_host=host.strip("[]"), picker_port=int(port), listen_host=args.host,
                      listen_port=args.port, admin_port=args.admin_port, failure_mode=args.failure_mode,
+                     body_mode=args.body_mode,
                      max_body_bytes=args.max_body_bytes or defaults.max_body_bytes,
                      hold_timeout=args.hold_timeout if args.hold_timeout is not None else defaults.hold_timeout)  # fmt: skip
 

@@ -24,6 +24,12 @@ HttpHeaders = _ext_proc.HttpHeaders
 ImmediateResponse = _ext_proc.ImmediateResponse
 ProcessingRequest = _ext_proc.ProcessingRequest
 ProcessingResponse = _ext_proc.ProcessingResponse
+StreamedBodyResponse = _ext_proc.StreamedBodyResponse
+TrailersResponse = _ext_proc.TrailersResponse
+# The body mode Envoy announces in a stream's first message (ProcessingRequest.protocol_config).
+FULL_DUPLEX_STREAMED = _module(
+    "envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2"
+).ProcessingMode.FULL_DUPLEX_STREAMED
 HeaderValue = _base.HeaderValue
 HeaderValueOption = _base.HeaderValueOption
 HttpStatus = _module("envoy.type.v3.http_status_pb2").HttpStatus

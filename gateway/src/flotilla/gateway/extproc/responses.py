@@ -35,7 +35,9 @@ from flotilla.gateway.extproc.protos import (
     HttpStatus,
     ImmediateResponse,
     ProcessingResponse,
+    StreamedBodyResponse,
     Struct,
+    TrailersResponse,
 )
 from flotilla.openai_errors import OpenAIError
 
@@ -120,6 +122,24 @@ def continue_body(request_phase: bool) -> Any:
     return ProcessingResponse(response_body=BodyResponse(response=CommonResponse()))
 
 
+def continue_trailers(request_phase: bool) -> Any:
+    if request_phase:
+        return ProcessingResponse(request_trailers=TrailersResponse())
+    return ProcessingResponse(response_trailers=TrailersResponse())
+
+
+def streamed_body(chunk: bytes, end_of_stream: bool, request_phase: bool) -> Any:
+    """Full-duplex streaming: a body chunk handed back to Envoy, which sends on only what it is given."""
+    common = CommonResponse(
+        body_mutation=BodyMutation(
+            streamed_response=StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
+        )
+    )
+    if request_phase:
+        return ProcessingResponse(request_body=BodyResponse(response=common))
+    return ProcessingResponse(response_body=BodyResponse(response=common))
+
+
 def extend_timeout(seconds: float) -> Any:
     """Asks Envoy to wait this long for the current message's answer (a request held for a replica); Envoy
     caps it at the filter's max_message_timeout."""
@@ -137,6 +157,29 @@ def picked(
 ) -> Any:
     """The answer to a request's (buffered) body once an engine is picked: see the module's docstring.
     `trusted` are the headers the gateway sets for the engine; `client_headers` the names the client sent."""
+    mutation, body_mutation = _pick_mutation(address, trusted, client_headers, new_body)
+    common = CommonResponse(
+        status=CommonResponse.CONTINUE, header_mutation=mutation, body_mutation=body_mutation
+    )
+    return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=_metadata(address))
+
+
+def picked_streamed(
+    address: str, trusted: Mapping[str, str], client_headers: Iterable[str], body: bytes, rewritten: bool
+) -> list[Any]:
+    """The same pick in full-duplex streaming mode (GIE's reference processing mode): Envoy waits for the
+    request headers' answer, which comes once the whole body is read, then gets the body back."""
+    mutation, _ = _pick_mutation(address, trusted, client_headers, body if rewritten else None)
+    headers = ProcessingResponse(
+        request_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation)),
+        dynamic_metadata=_metadata(address),
+    )
+    return [headers, streamed_body(body, True, request_phase=True)]
+
+
+def _pick_mutation(
+    address: str, trusted: Mapping[str, str], client_headers: Iterable[str], new_body: bytes | None
+) -> tuple[Any, Any]:
     setting = {DESTINATION_ENDPOINT_HEADER: address} | {k.lower(): v for k, v in trusted.items()}
     removed = sorted(
         name
@@ -147,13 +190,11 @@ def picked(
     if new_body is not None:
         setting["content-length"] = str(len(new_body))
         body_mutation = BodyMutation(body=new_body)
+    mutation = HeaderMutation(set_headers=[_header(k, v) for k, v in setting.items()], remove_headers=removed)
+    return mutation, body_mutation
+
+
+def _metadata(address: str) -> Any:
     metadata = Struct()
     metadata.update({DESTINATION_METADATA_NAMESPACE: {DESTINATION_ENDPOINT_HEADER: address}})
-    common = CommonResponse(
-        status=CommonResponse.CONTINUE,
-        header_mutation=HeaderMutation(
-            set_headers=[_header(k, v) for k, v in setting.items()], remove_headers=removed
-        ),
-        body_mutation=body_mutation,
-    )
-    return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=metadata)
+    return metadata

@@ -30,7 +30,7 @@ from flotilla.gateway.config import HOLD_MARGIN_SECONDS
 from flotilla.gateway.core.services import routable
 from flotilla.gateway.errors import GatewayError
 from flotilla.gateway.extproc import responses
-from flotilla.gateway.extproc.protos import ExternalProcessorServicer
+from flotilla.gateway.extproc.protos import FULL_DUPLEX_STREAMED, ExternalProcessorServicer
 from flotilla.gateway.upstream import upstream_headers
 
 log = logging.getLogger("flotilla.gateway.extproc")
@@ -57,13 +57,21 @@ class PickerStream:
         self.events = 0
         self.whole = bytearray()
         self.counted = False
+        # Full-duplex streaming (GIE's reference mode) instead of a buffered request body / a streamed
+        # response body: Envoy then sends on only the bodies handed back to it.
+        self.duplex = self.duplex_response = False
 
     async def answer(self, request: Any) -> AsyncIterator[Any]:
         """The responses to one message (an extension of Envoy's timeout may come before the answer)."""
         phase = request.WhichOneof("request")
+        if request.HasField("protocol_config"):  # the first message says how Envoy sends bodies
+            self.duplex = request.protocol_config.request_body_mode == FULL_DUPLEX_STREAMED
+            self.duplex_response = request.protocol_config.response_body_mode == FULL_DUPLEX_STREAMED
         try:
             if phase == "request_headers":
-                yield self.request_headers(request)
+                response = self.request_headers(request)
+                if response is not None:
+                    yield response
             elif phase == "request_body":
                 async for response in self.request_body(request):
                     yield response
@@ -71,14 +79,16 @@ class PickerStream:
                 yield self.response_headers(request)
             elif phase == "response_body":
                 yield self.response_body(request)
-            else:  # trailers are not asked for (the processing mode skips them)
+            elif phase in ("request_trailers", "response_trailers"):  # full-duplex mode sends them on
+                yield responses.continue_trailers(request_phase=phase == "request_trailers")
+            else:
                 log.warning("unexpected ext_proc message %s", phase)
         except GatewayError as error:
             self.count(error.status)
             yield responses.refusal(error)
 
     # -- the request ----------------------------------------------------------------------------------
-    def request_headers(self, request: Any) -> Any:
+    def request_headers(self, request: Any) -> Any | None:
         self.headers = responses.headers_of(request.request_headers)
         self.subset = responses.subset_hint(request)
         method, path = self.headers.get(":method", ""), self.headers.get(":path", "").split("?")[0]
@@ -95,13 +105,16 @@ class PickerStream:
         self.door.check_declared_size(self.headers.get("content-length"))
         if request.request_headers.end_of_stream:  # no body: the JSON check refuses it
             self.door.admit(self.tenant, b"", self.chat)
+        if self.duplex:
+            return None  # answered with the pick, once the body is read
         return responses.continue_headers(request_phase=True)
 
     async def request_body(self, request: Any) -> AsyncIterator[Any]:
         self.body += request.request_body.body
         self.door.check_size(len(self.body))
-        if not request.request_body.end_of_stream:  # buffered mode sends one message; a part is passed on
-            yield responses.continue_body(request_phase=True)
+        if not request.request_body.end_of_stream:
+            if not self.duplex:  # buffered mode sends one message; a part of a streamed one is passed on
+                yield responses.continue_body(request_phase=True)
             return
         door = self.door
         admitted = self.admitted = door.admit(self.tenant, bytes(self.body), self.chat)
@@ -137,8 +150,15 @@ class PickerStream:
         self.sent = time.perf_counter()
         door.metrics.added_latency.observe(self.sent - self.arrival)
         trusted = upstream_headers(self.tenant, service.namespace, door.settings.engine_token_master)
-        rewritten = admitted.content if admitted.content != bytes(self.body) else None
-        yield responses.picked(responses.endpoint_address(self.url), trusted, self.headers, rewritten)
+        address = responses.endpoint_address(self.url)
+        rewritten = admitted.content != bytes(self.body)
+        if self.duplex:
+            for response in responses.picked_streamed(
+                address, trusted, self.headers, admitted.content, rewritten
+            ):
+                yield response
+        else:
+            yield responses.picked(address, trusted, self.headers, admitted.content if rewritten else None)
 
     # -- the response ---------------------------------------------------------------------------------
     def response_headers(self, request: Any) -> Any:
@@ -159,6 +179,8 @@ class PickerStream:
             self.whole += chunk
         if request.response_body.end_of_stream:
             self.finish()
+        if self.duplex_response:
+            return responses.streamed_body(chunk, request.response_body.end_of_stream, request_phase=False)
         return responses.continue_body(request_phase=False)
 
     # -- the end --------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from flotilla.contract import (
 )
 from flotilla.gateway.config import DEFAULT_MAX_BODY_BYTES, HOLD_MARGIN_SECONDS
 
+BodyMode = Literal["BUFFERED", "FULL_DUPLEX_STREAMED"]
 FailureMode = Literal["FailClose", "FailOpen"]
 FAILURE_MODES: tuple[FailureMode, ...] = ("FailClose", "FailOpen")
 PICKER_CLUSTER, ENGINES_CLUSTER = "flotilla_picker", "flotilla_engines"
@@ -53,6 +54,18 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def processing_mode(body_mode: BodyMode) -> dict[str, str]:
+    """BUFFERED: Flotilla's (see the module's docstring). FULL_DUPLEX_STREAMED: GIE's reference mode, which
+    other GIE gateways configure: both bodies stream through the picker, trailers too."""
+    if body_mode == "FULL_DUPLEX_STREAMED":
+        return {"request_header_mode": "SEND", "request_body_mode": body_mode, "request_trailer_mode": "SEND",
+                "response_header_mode": "SEND", "response_body_mode": body_mode, "response_trailer_mode": "SEND"}  # fmt: skip
+    if body_mode != "BUFFERED":
+        raise ValueError(f"body_mode must be BUFFERED or FULL_DUPLEX_STREAMED, not {body_mode!r}")
+    return {"request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+            "response_header_mode": "SEND", "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"}  # fmt: skip
+
+
 def bootstrap(
     *,
     picker_host: str,
@@ -62,6 +75,7 @@ def bootstrap(
     admin_host: str = "127.0.0.1",
     admin_port: int = 0,
     failure_mode: FailureMode = "FailClose",
+    body_mode: BodyMode = "BUFFERED",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     message_timeout: float = 30.0,
     hold_timeout: float = 300.0,
@@ -80,14 +94,7 @@ def bootstrap(
             "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
             "failure_mode_allow": failure_mode == "FailOpen",
             "status_on_error": {"code": PICKER_UNAVAILABLE},
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND",
-                "response_body_mode": "STREAMED",
-                "response_trailer_mode": "SKIP",
-            },
+            "processing_mode": processing_mode(body_mode),
             "message_timeout": _duration(message_timeout),
             "max_message_timeout": _duration(hold_timeout + HOLD_MARGIN_SECONDS),
             "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_HINT_NAMESPACE]}},
