@@ -9,6 +9,7 @@ prints, on ports it chooses itself. Loopback only; every wait is on a condition.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -226,17 +227,30 @@ def test_a_tenant_past_its_request_rate_gets_429_with_retry_after_through_envoy(
 
 # -- served: the pick, the trusted headers, streaming --------------------------------------------------------
 @BODY_MODES
-def test_completions_and_a_streamed_chat_through_envoy_with_the_openai_client(engines, make_front, body_mode):
+def test_completions_and_a_streamed_chat_through_envoy_with_the_openai_client(
+    engines, make_front, body_mode, monkeypatch
+):
     front = make_front(HandSetFleet([service("chat", [engines[0].url])]), {"body_mode": body_mode})
+    limiter = front.handle.gateway.door.limiter
+    charged: list[tuple[str, int]] = []
+    charge = limiter.charge_tokens
+    monkeypatch.setattr(limiter, "charge_tokens", lambda tenant, n, now: (charged.append((tenant, n)),
+                                                                          charge(tenant, n, now)))  # fmt: skip
     client = openai.OpenAI(base_url=front.url + "/v1", api_key=KEY_A, max_retries=0)
     completion = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4,
                                            extra_body={"ignore_eos": True})  # fmt: skip
     assert completion.usage is not None and completion.usage.completion_tokens == 4
+    # The tenant's tokens: the prompt's at the pick, the completion's from the response's usage.
+    wait_for(lambda: len(charged) == 2, what="the prompt and the completion charged")
+    assert charged[0][1] == completion.usage.prompt_tokens and charged[1] == ("team-a", 4)
     body = chat_body("stream it", max_tokens=5)
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=body["messages"], max_tokens=5,
                                                  stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 5
     assert chunks[-1].choices[0].finish_reason == "length"
+    # A stream's completion is counted from its events, about one token each, as the relay counts it.
+    wait_for(lambda: len(charged) == 4, what="the streamed prompt and completion charged")
+    assert charged[3][0] == "team-a" and charged[3][1] >= 5
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     # The engine counted the prompts under team-a: the picker set the trusted tenant header.
     assert total(engines[0].url, counter_total(TENANT_PROMPT_TOKENS), tenant="team-a") > 0
@@ -289,6 +303,19 @@ def test_prefix_routing_through_envoy_keeps_a_shared_prompt_on_one_replica(engin
     served = sorted(total(u, counter_total(REQUEST_SUCCESS)) for u in urls)
     assert served == [0, 4], served
     assert total(front.metrics_url, counter_total(GATEWAY_ROUTING_DECISIONS), reason="prefix_hit") == 3
+
+
+def test_an_engine_that_refuses_connections_is_a_503_through_envoy_and_frees_its_count(make_front):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
+    try:
+        front = make_front(HandSetFleet([service("chat", [f"http://127.0.0.1:{dead.getsockname()[1]}"])]))
+        answer = post(front, chat_body("anyone?"))
+        assert answer.status_code == 503, answer.text  # Envoy's; no retry on another replica yet (the docs)
+        wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
+        wait_for(lambda: codes(front) == {"503": 1}, what="the request counted once, as a 503")
+    finally:
+        dead.close()
 
 
 # -- the protocol: subset hint, empty pool, holding --------------------------------------------------------
