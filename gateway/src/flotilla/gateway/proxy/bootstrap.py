@@ -1,0 +1,177 @@
+"""Envoy's bootstrap for Flotilla's data plane, as GIE's reference deployment wires it: one listener whose
+HTTP filters are ext_proc (to the picker, over gRPC) and the router; the router's cluster is an original
+destination cluster keyed on the header the picker sets, so Envoy connects to exactly the engine picked.
+Pure: a dict, printed as JSON (which is YAML) by `flotilla gateway envoy-config`.
+
+The processing mode: request headers SEND (API key, declared size: refused before the body is read), request
+body BUFFERED (the picker needs the whole JSON to find the model and hash the prompt; the listener's buffer
+limit is above the gateway's body limit, so the picker, not Envoy, answers an oversized body with its
+OpenAI-shaped 413), response headers SEND (the status), response body STREAMED (the completion's events,
+for the tenant's token charges; each chunk is passed on as soon as the picker has counted it), trailers
+SKIP.
+
+Timeouts: Envoy waits `message_timeout` for each answer of the picker; a request held for a replica asks
+for more (up to `max_message_timeout`, the hold timeout and a margin). The route has no overall timeout (a
+long generation is not an error); `idle_timeout` ends an upstream that stays silent that long.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any, Literal
+
+from flotilla.contract import (
+    DESTINATION_ENDPOINT_HEADER,
+    SUBSET_HINT_KEY,
+    SUBSET_HINT_NAMESPACE,
+)
+from flotilla.gateway.config import DEFAULT_MAX_BODY_BYTES, HOLD_MARGIN_SECONDS
+
+BodyMode = Literal["BUFFERED", "FULL_DUPLEX_STREAMED"]
+FailureMode = Literal["FailClose", "FailOpen"]
+FAILURE_MODES: tuple[FailureMode, ...] = ("FailClose", "FailOpen")
+PICKER_CLUSTER, ENGINES_CLUSTER = "flotilla_picker", "flotilla_engines"
+BUFFER_MARGIN = 64 * 1024  # bytes of listener buffer above the body limit: headers, and the 413's own read
+# The status Envoy answers when the picker cannot be reached (FailClose): the service is unavailable, and
+# an OpenAI client retries it.
+PICKER_UNAVAILABLE = 503
+_T = "type.googleapis.com/envoy."
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def processing_mode(body_mode: BodyMode) -> dict[str, str]:
+    """BUFFERED: Flotilla's (see the module's docstring). FULL_DUPLEX_STREAMED: GIE's reference mode, which
+    other GIE gateways configure: both bodies stream through the picker, trailers too."""
+    if body_mode == "FULL_DUPLEX_STREAMED":
+        return {"request_header_mode": "SEND", "request_body_mode": body_mode, "request_trailer_mode": "SEND",
+                "response_header_mode": "SEND", "response_body_mode": body_mode, "response_trailer_mode": "SEND"}  # fmt: skip
+    if body_mode != "BUFFERED":
+        raise ValueError(f"body_mode must be BUFFERED or FULL_DUPLEX_STREAMED, not {body_mode!r}")
+    return {"request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+            "response_header_mode": "SEND", "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"}  # fmt: skip
+
+
+def bootstrap(
+    *,
+    picker_host: str,
+    picker_port: int,
+    listen_host: str = "127.0.0.1",
+    listen_port: int = 0,
+    admin_host: str = "127.0.0.1",
+    admin_port: int = 0,
+    failure_mode: FailureMode = "FailClose",
+    body_mode: BodyMode = "BUFFERED",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    message_timeout: float = 30.0,
+    hold_timeout: float = 300.0,
+    upstream_idle_timeout: float = 600.0,
+    subset_hint: list[str] | None = None,
+) -> dict[str, Any]:
+    """The bootstrap. Port 0 lets the kernel choose (EnvoyProcess reads the ports back from the admin).
+    `subset_hint` sets GIE's subset hint on every request (the `envoy.lb.subset_hint` metadata a gateway
+    controller sets per route): the picker then picks among those `ip:port` endpoints only."""
+    if failure_mode not in FAILURE_MODES:
+        raise ValueError(f"failure_mode must be one of {', '.join(FAILURE_MODES)}, not {failure_mode!r}")
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+            "failure_mode_allow": failure_mode == "FailOpen",
+            "status_on_error": {"code": PICKER_UNAVAILABLE},
+            "processing_mode": processing_mode(body_mode),
+            "message_timeout": _duration(message_timeout),
+            "max_message_timeout": _duration(hold_timeout + HOLD_MARGIN_SECONDS),
+            "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_HINT_NAMESPACE]}},
+        },
+    }
+    filters: list[dict[str, Any]] = []
+    if subset_hint is not None:
+        filters.append({
+            "name": "envoy.filters.http.set_metadata",
+            "typed_config": {
+                "@type": _T + "extensions.filters.http.set_metadata.v3.Config",
+                "metadata": [{"metadata_namespace": SUBSET_HINT_NAMESPACE,
+                              "value": {SUBSET_HINT_KEY: list(subset_hint)}}],
+            },
+        })  # fmt: skip
+    filters += [
+        ext_proc,
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": _T + "extensions.filters.http.router.v3.Router"},
+        },
+    ]
+    connection_manager = {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "flotilla",
+            "codec_type": "AUTO",
+            # A held request is silent until its replica is ready; a generation streams for long.
+            "stream_idle_timeout": _duration(hold_timeout + upstream_idle_timeout),
+            "request_timeout": "0s",
+            "route_config": {
+                "name": "flotilla",
+                "virtual_hosts": [{
+                    "name": "openai",
+                    "domains": ["*"],
+                    "routes": [{
+                        "match": {"prefix": "/"},
+                        "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s",
+                                  "idle_timeout": _duration(upstream_idle_timeout)},
+                    }],
+                }],
+            },
+            "http_filters": filters,
+        },
+    }  # fmt: skip
+    picker_cluster = {
+        "name": PICKER_CLUSTER,
+        "type": "STATIC" if _is_ip(picker_host) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": PICKER_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(picker_host, picker_port)}}]}],
+        },
+    }
+    engines_cluster = {
+        "name": ENGINES_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "5s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_ENDPOINT_HEADER},
+    }
+    return {
+        "admin": {"address": _socket(admin_host, admin_port)},
+        "static_resources": {
+            "listeners": [{
+                "name": "flotilla",
+                "address": _socket(listen_host, listen_port),
+                "per_connection_buffer_limit_bytes": max_body_bytes + BUFFER_MARGIN,
+                "filter_chains": [{"filters": [connection_manager]}],
+            }],
+            "clusters": [picker_cluster, engines_cluster],
+        },
+    }  # fmt: skip

