@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flotilla.engine.config import EngineConfig
-from flotilla.engine.kernels import cpu_decode
+from flotilla.engine.kernels import c_library, cpu_decode
 from flotilla.engine.kernels.linear import ONEDNN_DTYPES, Linear, uses_onednn
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.worker.model_runner import pick_backend
@@ -68,8 +68,8 @@ def test_asking_for_the_cpu_backend_where_it_cannot_serve_says_why():
 
 def test_a_failing_compiler_is_reported_and_leaves_no_files(tmp_path):
     target = tmp_path / "kernels" / "paged_decode.so"
-    with pytest.raises(cpu_decode.KernelUnavailable, match="failed on paged_decode.c"):
-        cpu_decode._build("false", target)
+    with pytest.raises(c_library.KernelUnavailable, match="failed on paged_decode.c, cpu_ops.c"):
+        c_library._build("false", target)
     assert list(target.parent.iterdir()) == []
 
 

@@ -1,108 +1,29 @@
-"""The CPU's paged decode kernel (paged_decode.c, float32 and bfloat16 caches): built on first use with the system C compiler, loaded
-with ctypes, called on torch tensors' memory.
-
-The build is a plain shared library (no torch headers: about 3 s, once per machine), tuned for the machine it runs on
-(-march=native), cached under $XDG_CACHE_HOME/flotilla/kernels by a hash of the source, the flags and the
-CPU's features. The engine image has gcc (Triton needs it too); where no compiler works, `load()` says why
-and the torch path serves instead.
-"""
+"""The CPU's paged decode kernel (paged_decode.c, float32 and bfloat16 caches) called on torch tensors'
+memory, and the attention backend that uses it. The library is built and loaded by c_library.py."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 
+from flotilla.engine.kernels import c_library
 from flotilla.engine.kernels.attention import TorchAttentionBackend
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("paged_decode.c")
-# -ffp-contract=fast: ISO C mode (-std=c11) would otherwise keep every a += b * c a multiply and an add
-# instead of one FMA (faster, and rounded once).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The kernel's entry point per cache dtype: queries and outputs are float32 in both.
 SYMBOLS = {torch.float32: "flotilla_paged_decode_f32", torch.bfloat16: "flotilla_paged_decode_bf16"}
 # paged_decode.c's MAX_HEAD_DIM, MAX_GROUP and MAX_BLOCK.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 16, 64
-
-
-class KernelUnavailable(RuntimeError):
-    pass
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "flotilla" / "kernels"
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    raise KernelUnavailable("no C compiler (cc, gcc or clang) on PATH")
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compiles into a temporary file beside the target, then renames it: processes building at once
-    each write their own file and the last rename wins with an identical library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        log.info("compiling the CPU paged-attention kernel (%s) ...", SOURCE.name)
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[:2000]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags: -march=native builds for them, so a cache shared between machines (a
-    network home) keeps one library per kind of CPU instead of one that faults on an older CPU."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
+_I32, _I64, _PTR = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I32, _I32, _I32, _I32, _I32, ctypes.c_float, _I32]
 
 
 @cache
-def load() -> ctypes.CDLL:
-    """The built library (built now if not cached). Raises KernelUnavailable with the reason."""
-    compiler = _compiler()
-    identity = "\0".join((compiler, *FLAGS, _cpu_features())).encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + identity).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
-    if not target.exists():
-        try:
-            _build(compiler, target)
-        except OSError as exc:  # an unwritable cache: build in a private temporary folder instead
-            target = Path(tempfile.mkdtemp(prefix="flotilla-kernels-")) / target.name
-            log.info("kernel cache %s unusable (%s); building in %s", _cache_dir(), exc, target.parent)
-            _build(compiler, target)
-    lib = ctypes.CDLL(str(target))
-    i32, i64 = ctypes.c_int32, ctypes.c_int64
-    ptr = ctypes.c_void_p
-    for symbol in SYMBOLS.values():
-        fn = getattr(lib, symbol)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-        fn.restype = ctypes.c_int32
-    return lib
+def kernel(dtype: torch.dtype):
+    """The decode entry point for caches of `dtype`; raises KernelUnavailable with the reason."""
+    return c_library.function(SYMBOLS[dtype], _ARGS, ctypes.c_int32)
 
 
 def shape_limits(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str | None:
@@ -126,8 +47,8 @@ def unusable(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads:
     if reason := shape_limits(head_dim, num_heads, num_kv_heads, block_size):
         return reason
     try:
-        load()
-    except KernelUnavailable as exc:
+        kernel(dtype)
+    except c_library.KernelUnavailable as exc:
         return str(exc)
     return None
 
@@ -159,7 +80,7 @@ def paged_decode(
     out = torch.empty_like(query)
     if batch == 0:
         return out.to(dtype)
-    getattr(load(), SYMBOLS[k_cache.dtype])(
+    kernel(k_cache.dtype)(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),

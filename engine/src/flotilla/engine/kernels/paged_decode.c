@@ -17,69 +17,11 @@
  * are computed four tokens at a time so four FMA chains run at once; exp is a polynomial on vectors
  * (relative error about 2e-7, like expf's) because a scalar expf per score cost more than the dot products.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "vectors.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-
-static inline float hsum(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-/* exp(x) for x <= 0 (scores less their running maximum; below -87 it gives about 1e-38): x = n ln2 + r
- * with |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n by the exponent bits. */
-static inline v8f exp_nonpositive(v8f x) {
-    const v8i below = x < splat(-87.0f);
-    v8i xi, floor_bits;
-    const v8f floor_value = splat(-87.0f);
-    memcpy(&xi, &x, sizeof xi);
-    memcpy(&floor_bits, &floor_value, sizeof floor_bits);
-    xi = (xi & ~below) | (floor_bits & below);
-    memcpy(&x, &xi, sizeof x);
-    const v8i n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), v8i);
-    const v8f nf = __builtin_convertvector(n, v8f);
-    const v8f r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
-    v8f p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    v8i bits = (n + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
-/* Eight cache values from element `index` of a float32 (bf16 == 0) or bfloat16 cache, as float32. The
- * callers pass bf16 as a constant, so each inlined copy keeps one branch. */
-static inline __attribute__((always_inline)) v8f load_kv8(const void *cache, int64_t index, const int bf16) {
-    if (!bf16) return load8((const float *)cache + index);
-    v8u16 halves;
-    memcpy(&halves, (const uint16_t *)cache + index, sizeof halves);
-    const v8i bits = __builtin_convertvector(halves, v8i) << 16;
-    v8f v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
 
 /* One request's `kv_count` KV heads from its first: their query heads (group per KV head, rows of q and o)
  * attend to `len` tokens through `table`. `nv` (head_dim / 8), `group` and `bf16` are constants in every
@@ -138,8 +80,8 @@ static inline __attribute__((always_inline)) void attend_heads(
                 v8f s[MAX_GROUP][4];
                 for (int g = 0; g < group; g++) s[g][0] = s[g][1] = s[g][2] = s[g][3] = splat(0.0f);
                 for (int d = 0; d < nv; d++) {
-                    const v8f a = load_kv8(k_cache, k0 + 8 * d, bf16), b = load_kv8(k_cache, k1 + 8 * d, bf16);
-                    const v8f e = load_kv8(k_cache, k2 + 8 * d, bf16), f = load_kv8(k_cache, k3 + 8 * d, bf16);
+                    const v8f a = load_any8(k_cache, k0 + 8 * d, bf16), b = load_any8(k_cache, k1 + 8 * d, bf16);
+                    const v8f e = load_any8(k_cache, k2 + 8 * d, bf16), f = load_any8(k_cache, k3 + 8 * d, bf16);
                     for (int g = 0; g < group; g++) {
                         s[g][0] += qv[g][d] * a;
                         s[g][1] += qv[g][d] * b;
@@ -177,7 +119,7 @@ static inline __attribute__((always_inline)) void attend_heads(
                 v8f p[MAX_GROUP];
                 for (int g = 0; g < group; g++) p[g] = splat(scores[h0 + g][t]);
                 for (int d = 0; d < nv; d++) {
-                    const v8f value = load_kv8(v_cache, v + 8 * d, bf16);
+                    const v8f value = load_any8(v_cache, v + 8 * d, bf16);
                     for (int g = 0; g < group; g++) a[g][d] += p[g] * value;
                 }
             }

@@ -17,10 +17,10 @@ tests/engine/model/test_hf_names.py holds both models' parameters to hf_names' t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from flotilla.engine.kernels import fused
 from flotilla.engine.kernels.attention import ATTENTION_LABEL, AttentionMetadata
 from flotilla.engine.kernels.linear import Linear
 from flotilla.engine.model.config import ModelConfig
@@ -34,11 +34,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like transformers, then scale in the model dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Normalised in float32 like transformers, then scaled in the model dtype (kernels/fused.py).
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + residual, x + residual), in one pass where it can."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -79,8 +80,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,9 +91,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rotation: Rotation, hidden, kv_cache, meta, backend):
-        hidden = hidden + self.self_attn(rotation, self.input_layernorm(hidden), kv_cache, meta, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rotation: Rotation, hidden, residual, kv_cache, meta, backend):
+        """(this layer's MLP output, the residual stream before adding it): each residual add is fused
+        with the norm that follows it (the next layer's, or the model's final norm)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add(hidden, residual)
+        hidden = self.self_attn(rotation, hidden, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm.add(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -107,9 +114,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, backend):
         hidden = self.embed_tokens(input_ids)
         rotation = self.rotary.rotation(positions, hidden.dtype)  # the same positions in every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rotation, hidden, kv_cache, meta, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(rotation, hidden, residual, kv_cache, meta, backend)
+        return self.norm.add(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

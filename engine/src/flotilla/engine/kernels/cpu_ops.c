@@ -1,0 +1,142 @@
+/* The CPU's fused elementwise ops, float32 or bfloat16 tensors, arithmetic in float32 with the same
+ * roundings as the torch code they replace (model/llama.py's RMSNorm and MLP), in one pass over memory
+ * instead of five or six, each of which in bfloat16 also widened and rounded its operands.
+ *
+ *   rms_norm:      out = w * dtype(x * rsqrt(mean(x^2) + eps))       (x [rows, d]; w [d])
+ *   add_rms_norm:  residual = dtype(x + residual), then rms_norm of it into out
+ *   silu_and_mul:  out = dtype(dtype(silu(gate)) * up)               (gate_up [rows, 2i], out [rows, i])
+ * Rows are shared among OpenMP threads (torch's pool, as for the decode kernel).
+ */
+#include "vectors.h"
+
+static inline __attribute__((always_inline)) float load_x1(const void *p, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) void store_x8(void *p, int64_t i, v8f v, const int bf16) {
+    if (bf16)
+        store_bf16x8((uint16_t *)p + i, v);
+    else
+        store8((float *)p + i, v);
+}
+
+/* One value rounded to the tensor's dtype and back (identity for float32). */
+static inline __attribute__((always_inline)) v8f round8(v8f v, const int bf16) {
+    if (!bf16) return v;
+    uint16_t tmp[8];
+    store_bf16x8(tmp, v);
+    return load_any8(tmp, 0, 1);
+}
+
+static inline __attribute__((always_inline)) float round1(float v, const int bf16) {
+    return bf16 ? round8(splat(v), 1)[0] : v;
+}
+
+static inline __attribute__((always_inline)) void store_x1(void *p, int64_t i, float v, const int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = v;
+        return;
+    }
+    uint16_t tmp[8];
+    store_bf16x8(tmp, splat(v));
+    ((uint16_t *)p)[i] = tmp[0];
+}
+
+static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const void *x, void *residual,
+                                                                const void *w, int64_t rows, int64_t d,
+                                                                float eps, int32_t threads, const int bf16) {
+    const int64_t body = d & ~(int64_t)7;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = r * d;
+        v8f squares = splat(0.0f);
+        float tail = 0.0f;
+        /* With a residual: residual = dtype(x + residual) first, and the norm is of that sum. */
+        for (int64_t i = 0; i < body; i += 8) {
+            v8f v = load_any8(x, row + i, bf16);
+            if (residual) {
+                v = round8(v + load_any8(residual, row + i, bf16), bf16);
+                store_x8(residual, row + i, v, bf16);
+            }
+            squares += v * v;
+        }
+        for (int64_t i = body; i < d; i++) {
+            float v = load_x1(x, row + i, bf16);
+            if (residual) {
+                v = round1(v + load_x1(residual, row + i, bf16), bf16);
+                store_x1(residual, row + i, v, bf16);
+            }
+            tail += v * v;
+        }
+        const void *src = residual ? residual : x;
+        const float scale = 1.0f / sqrtf((hsum(squares) + tail) / (float)d + eps);
+        for (int64_t i = 0; i < body; i += 8) {
+            const v8f normed = round8(load_any8(src, row + i, bf16) * splat(scale), bf16);
+            store_x8(out, row + i, load_any8(w, i, bf16) * normed, bf16);
+        }
+        for (int64_t i = body; i < d; i++) {
+            const float normed = round1(load_x1(src, row + i, bf16) * scale, bf16);
+            store_x1(out, row + i, load_x1(w, i, bf16) * normed, bf16);
+        }
+    }
+}
+
+void flotilla_rms_norm_f32(float *out, const float *x, float *residual, const float *w, int64_t rows, int64_t d,
+                           float eps, int32_t threads) {
+    rms_norm_rows(out, x, residual, w, rows, d, eps, threads, 0);
+}
+
+void flotilla_rms_norm_bf16(uint16_t *out, const uint16_t *x, uint16_t *residual, const uint16_t *w, int64_t rows,
+                            int64_t d, float eps, int32_t threads) {
+    rms_norm_rows(out, x, residual, w, rows, d, eps, threads, 1);
+}
+
+/* silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that exp's argument is never positive. */
+static inline v8f silu8(v8f g) {
+    const v8i negative = g < splat(0.0f);
+    v8f magnitude = g;
+    v8i bits;
+    memcpy(&bits, &magnitude, sizeof bits);
+    bits &= 0x7fffffff;
+    memcpy(&magnitude, &bits, sizeof magnitude);
+    const v8f e = exp_nonpositive(-magnitude);
+    const v8f positive_sigmoid = splat(1.0f) / (splat(1.0f) + e);
+    const v8f negative_sigmoid = e / (splat(1.0f) + e);
+    v8i ps, ns, s;
+    memcpy(&ps, &positive_sigmoid, sizeof ps);
+    memcpy(&ns, &negative_sigmoid, sizeof ns);
+    s = (ns & negative) | (ps & ~negative);
+    v8f sigmoid;
+    memcpy(&sigmoid, &s, sizeof sigmoid);
+    return g * sigmoid;
+}
+
+static inline __attribute__((always_inline)) void silu_and_mul_rows(void *out, const void *gate_up, int64_t rows,
+                                                                    int64_t inner, int32_t threads, const int bf16) {
+    const int64_t body = inner & ~(int64_t)7;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in = r * 2 * inner, o = r * inner;
+        for (int64_t i = 0; i < body; i += 8) {
+            const v8f activated = round8(silu8(load_any8(gate_up, in + i, bf16)), bf16);
+            store_x8(out, o + i, activated * load_any8(gate_up, in + inner + i, bf16), bf16);
+        }
+        for (int64_t i = body; i < inner; i++) {
+            const float activated = round1(silu8(splat(load_x1(gate_up, in + i, bf16)))[0], bf16);
+            store_x1(out, o + i, activated * load_x1(gate_up, in + inner + i, bf16), bf16);
+        }
+    }
+}
+
+void flotilla_silu_and_mul_f32(float *out, const float *gate_up, int64_t rows, int64_t inner, int32_t threads) {
+    silu_and_mul_rows(out, gate_up, rows, inner, threads, 0);
+}
+
+void flotilla_silu_and_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t rows, int64_t inner,
+                                int32_t threads) {
+    silu_and_mul_rows(out, gate_up, rows, inner, threads, 1);
+}

@@ -1,0 +1,78 @@
+/* Vector helpers the CPU's C kernels share (paged_decode.c, cpu_ops.c): GCC's generic 8-float vectors
+ * (one AVX register; the compiler splits them elsewhere), loads and stores through memcpy (no alignment
+ * needed), float32 <-> bfloat16, and exp on vectors (of non-positive numbers). */
+#ifndef FLOTILLA_VECTORS_H
+#define FLOTILLA_VECTORS_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+
+static inline float hsum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* exp(x) for x <= 0 (scores less their running maximum; below -87 it gives about 1e-38): x = n ln2 + r
+ * with |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n by the exponent bits. */
+static inline v8f exp_nonpositive(v8f x) {
+    const v8i below = x < splat(-87.0f);
+    v8i xi, floor_bits;
+    const v8f floor_value = splat(-87.0f);
+    memcpy(&xi, &x, sizeof xi);
+    memcpy(&floor_bits, &floor_value, sizeof floor_bits);
+    xi = (xi & ~below) | (floor_bits & below);
+    memcpy(&x, &xi, sizeof x);
+    const v8i n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), v8i);
+    const v8f nf = __builtin_convertvector(n, v8f);
+    const v8f r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+    v8f p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    v8i bits = (n + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* Eight values from element `index` of a float32 (bf16 == 0) or bfloat16 array, as float32 (widening a
+ * bfloat16 is exact: it is the top half of a float32's bits). Callers pass bf16 as a constant, so each
+ * inlined copy keeps one branch. */
+static inline __attribute__((always_inline)) v8f load_any8(const void *p, int64_t index, const int bf16) {
+    if (!bf16) return load8((const float *)p + index);
+    v8u16 halves;
+    memcpy(&halves, (const uint16_t *)p + index, sizeof halves);
+    const v8i bits = __builtin_convertvector(halves, v8i) << 16;
+    v8f v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* Eight float32 values as bfloat16, rounded to nearest even (NaN stays a quiet NaN), like torch's cast. */
+static inline void store_bf16x8(uint16_t *p, v8f v) {
+    v8i bits;
+    memcpy(&bits, &v, sizeof bits);
+    const v8i nan = (bits & 0x7fffffff) > 0x7f800000;
+    const v8i rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+    const v8i out = (rounded & ~nan) | (0x7fc0 & nan);
+    const v8u16 halves = __builtin_convertvector(out & 0xffff, v8u16);
+    memcpy(p, &halves, sizeof halves);
+}
+
+#endif

@@ -1,0 +1,66 @@
+"""The C library's fused RMSNorm (with and without the residual add) and SiLU-and-mul against their torch
+references: float32 to float32's precision, bfloat16 to at most one rounding (the sum of squares is added
+in another order), over sizes with and without a tail past the last 8 values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flotilla.engine.kernels import fused
+
+pytestmark = pytest.mark.skipif(fused._functions(torch.float32) is None, reason="no C compiler here")
+
+SIZES = [(1, 8), (5, 64), (7, 100), (48, 512), (3, 13)]
+ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=ULP[dtype], atol=ULP[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,d", SIZES)
+def test_rms_norm_matches_the_reference(dtype, rows, d):
+    gen = torch.Generator().manual_seed(rows * 1000 + d)
+    x = (torch.randn(rows, d, generator=gen) * 3).to(dtype)
+    w = torch.randn(d, generator=gen).to(dtype)
+    with torch.inference_mode():
+        close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,d", SIZES)
+def test_add_rms_norm_returns_the_norm_of_the_sum_and_the_sum(dtype, rows, d):
+    gen = torch.Generator().manual_seed(rows * 1000 + d + 1)
+    x = torch.randn(rows, d, generator=gen).to(dtype)
+    residual = torch.randn(rows, d, generator=gen).to(dtype)
+    w = torch.randn(d, generator=gen).to(dtype)
+    total = x + residual  # exactly what the torch path rounds
+    want_norm, want_sum = fused.rms_norm_reference(total, w, 1e-6), total
+    x_before = x.clone()
+    with torch.inference_mode():
+        got_norm, got_sum = fused.add_rms_norm(x, residual.clone(), w, 1e-6)
+    assert torch.equal(got_sum, want_sum)  # the sum is rounded once, like torch's add
+    close(got_norm, want_norm, dtype)
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inner", [(1, 8), (4, 1376), (9, 21), (48, 64)])
+def test_silu_and_mul_matches_the_reference(dtype, rows, inner):
+    gen = torch.Generator().manual_seed(rows * 1000 + inner)
+    # Large magnitudes both ways: SiLU's sigmoid must hold for very negative and very positive gates.
+    gate_up = (torch.randn(rows, 2 * inner, generator=gen) * 20).to(dtype)
+    with torch.inference_mode():
+        close(fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up), dtype)
+
+
+def test_the_torch_reference_serves_where_autograd_is_on():
+    """A trainer shares RMSNorm: with gradients wanted, the C path (no backward) is never taken."""
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.ones(16, requires_grad=True)
+    out = fused.rms_norm(x, w, 1e-5)
+    out.sum().backward()
+    assert x.grad is not None and w.grad is not None
