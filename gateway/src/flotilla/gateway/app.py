@@ -134,8 +134,8 @@ class Gateway:
                 self.metrics.rate_limited.labels(tenant, limited.limit).inc()
                 raise GatewayError(429, limited.message, code="rate_limit_exceeded",
                                    headers={"Retry-After": str(limited.retry_after_seconds)})  # fmt: skip
-        if body["model"] != service.served_name:  # `namespace/name`: the engine knows its served name only
-            body["model"] = service.served_name
+        if body["model"] != service.upstream_model:  # `namespace/name`, or an adapter on a shared base
+            body["model"] = service.upstream_model
             content = json.dumps(body).encode()
         stream = body.get("stream") is True
         path = OPENAI_PATH + ("/chat/completions" if chat else "/completions")
