@@ -368,7 +368,7 @@ def _adapter_through_the_gateway(cluster, state_dir: Path, adapter_dir: Path, ti
     tokens = 0
     texts = {}
     for model in (SERVED_NAME, ADAPTER):
-        answer = client.completions.create(model=model, prompt=ADAPTER_PROMPT, max_tokens=90, temperature=0)
+        answer = client.completions.create(model=model, prompt=ADAPTER_PROMPT, max_tokens=120, temperature=0)
         texts[model] = answer.choices[0].text
         tokens += answer.usage.completion_tokens if answer.usage else 0
         print(f"   model {model}:")
