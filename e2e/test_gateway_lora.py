@@ -146,10 +146,12 @@ def test_two_tenants_adapters_on_one_shared_base_each_key_reaches_its_own_and_is
         assert status["servedName"] == f"{ns}/sql", status  # the engine's name on the shared base
 
     # Each key's bare "sql" is its own tenant's adapter (the answer names the adapter's id).
+    generated = {NS_A: 0, NS_B: 0}
     for key, ns in ((KEY_A, NS_A), (KEY_B, NS_B)):
         for model in ("sql", f"{ns}/sql"):
             answer = env.post(model, key)
             assert answer.status_code == 200 and answer.json()["model"] == f"{ns}/sql", answer.text
+            generated[ns] += answer.json()["usage"]["completion_tokens"]
     base = env.post(SERVED)  # the shared base itself: every tenant's
     assert base.status_code == 200 and base.json()["model"] == SERVED, base.text
 
@@ -179,13 +181,15 @@ def test_two_tenants_adapters_on_one_shared_base_each_key_reaches_its_own_and_is
     for tenant, ns, other in ((TENANT_A, NS_A, NS_B), (TENANT_B, NS_B, NS_A)):
         usage = wait_for(
             lambda tenant=tenant, ns=ns: (
-                (env.metered(tenant).get(f"{ns}/sql") or {}).get("output", 0) >= 6 and env.metered(tenant)
+                (env.metered(tenant).get(f"{ns}/sql") or {}).get("output", 0) >= generated[ns]
+                and env.metered(tenant)
             ),
             60,
             f"{tenant}'s metering of {ns}/sql",
         )
         assert usage is not None and f"{other}/sql" not in usage, usage
-        assert usage[f"{ns}/sql"]["input"] > 0
+        # Exactly what its own requests generated: the other tenant's on the same engine never count.
+        assert usage[f"{ns}/sql"]["output"] == generated[ns] and usage[f"{ns}/sql"]["input"] > 0, usage
 
     # The engine pod is killed: the request waits for the new replica to have the adapter, then is served.
     env.cluster.kubectl("delete", "pod", pod, "-n", NS_SHARED, "--wait=false")

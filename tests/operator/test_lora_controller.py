@@ -265,6 +265,21 @@ def test_a_base_in_another_tenants_or_a_contested_namespace_is_refused_in_status
     assert status["servedName"] == f"{NS}/{NAME}" and status["loadedReplicas"] == 1
 
 
+def test_an_adapter_whose_shared_base_namespace_changes_owner_is_unloaded_there(engines) -> None:
+    """Admitted on a shared base, then that namespace is claimed by another tenant: the next round refuses
+    it (BaseNotShared) and unloads it from the base's engines."""
+    memo, pods = _memo(), [_pod("s0", "127.7.1.1")]
+    status = _round(memo, _shared_body(), _shared_indexes(pods))
+    engine = engines.of("http://127.7.1.1:8000/v1")
+    assert engine.served == {f"{NS}/{NAME}": "/adapters/sql"}
+    claimed = {**TENANTS, "beta": {"namespaces": ["team-b", SHARED]}}
+    status = _round(memo, _shared_body(status=status), _shared_indexes(pods, SHARED, claimed))
+    assert {c["type"]: c for c in status["conditions"]}["Ready"]["reason"] == "BaseNotShared"
+    assert engine.served == {} and status["replicas"] == []
+    _round(memo, _shared_body(status=status), _shared_indexes(pods, SHARED, claimed))
+    assert engine.calls == [("load", f"{NS}/{NAME}"), ("unload", f"{NS}/{NAME}")]  # once: not served any more
+
+
 def test_moving_an_adapter_off_a_shared_base_unloads_it_there(engines) -> None:
     memo, pods = _memo(), [_pod("s0", "127.7.1.1")]
     _round(memo, _shared_body(), _shared_indexes(pods))

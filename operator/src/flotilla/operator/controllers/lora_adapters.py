@@ -97,6 +97,21 @@ def _converge(name: str, path: str, replica: Replica, token: str | None) -> Outc
     return outcome
 
 
+def _evict(name: str, replica: Replica, token: str | None) -> None:
+    """Unloads `name` from the replica if its engine serves it (best effort: an engine that refuses, 409
+    while requests use it, is asked again next round)."""
+    _code, listing = engine_lora.list_models(replica.url)
+    if listing is not None and name in desired.served_adapters(listing):
+        code, text = engine_lora.unload(replica.url, name, token=token)
+        log.info(
+            "LoRA adapter %s: its base may no longer be used; unload from %s: %d %s",
+            name,
+            replica.pod,
+            code,
+            text,
+        )
+
+
 def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
@@ -111,9 +126,12 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
             base_ns = desired.base_namespace(namespace, spec)
             served = desired.served_name(name, namespace, base_ns)
             base = index_one(indexes.of(kwargs)["services"], (base_ns, spec.inference_service))
-            blocked = _sharing(kwargs, namespace, base_ns) or desired.base_problem(
-                served, base_ns, spec.inference_service, base, path
-            )
+            blocked = _sharing(kwargs, namespace, base_ns)
+            if blocked is not None:
+                # A base the tenant may no longer use (its namespace changed owner): its engines let go.
+                for replica in _replicas(kwargs, base_ns, spec.inference_service):
+                    _evict(served, replica, _token(rt, base_ns))
+            blocked = blocked or desired.base_problem(served, base_ns, spec.inference_service, base, path)
             if blocked is None:
                 replicas = _replicas(kwargs, base_ns, spec.inference_service)
                 ready = len(replicas)
