@@ -1,6 +1,7 @@
 """`flotilla demo` (the end of `make demo`) on the tests' cluster: it must install Flotilla through the
 chart (the operator as a pod), show the webhook refusing an over-quota service, and end with a Ready
-InferenceService that answered one completion."""
+InferenceService that answered one completion, and the demo adapter (a LoRAAdapter of the demo tenant on
+that service) answering the same prompt as the base differently through the gateway."""
 
 from __future__ import annotations
 
@@ -39,6 +40,17 @@ def test_demo_installs_the_chart_and_ends_with_a_ready_service_answering_a_compl
         tenant = cluster.get_json("tenant", "demo-team")["status"]
         assert tenant["tokens"]["output"] >= 12 and tenant["tokens"]["input"] > 0, tenant
         assert "tokens in" in result.stdout, result.stdout
+        # The adapter: loaded by the operator, reached through the gateway with the tenant's key, and its
+        # answer is its house runbook (the config file first), which the base's is not.
+        adapter = cluster.get_json("flora", "deploy-runbook", "-n", "demo")["status"]
+        assert adapter["loadedReplicas"] == 1 and adapter["servedName"] == "deploy-runbook", adapter
+        base_answer = result.stdout.split("   model tiny-trained:\n", 1)[1].split("\n   model ", 1)[0]
+        adapter_answer = result.stdout.split("   model deploy-runbook:\n", 1)[1].split("\n   the answers", 1)[
+            0
+        ]
+        assert adapter_answer.split("\n")[0].strip() == "1. Write the muru-api config file.", result.stdout
+        assert base_answer != adapter_answer and "1. Write" not in base_answer.split("\n")[0], result.stdout
+        assert "the answers differ" in result.stdout, result.stdout
         ready = cluster.kubectl(
             "get", "fisvc", "tiny-chat", "-n", "demo", "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}"
         ).stdout  # fmt: skip
@@ -57,6 +69,9 @@ def test_demo_installs_the_chart_and_ends_with_a_ready_service_answering_a_compl
         again = _demo(cluster)
         assert "text: '" in again.stdout, again.stdout
     finally:
+        # The adapter first, while the operator runs: its finalizer unloads it (a namespace deleted after
+        # the operator is gone would wait on that finalizer for ever).
+        cluster.kubectl("delete", "flora", "--all", "-n", "demo", "--timeout=60s", check=False)
         helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig, check=False)
         cluster.kubectl("delete", "namespace", "demo", "--wait=false", check=False)
         cluster.kubectl("delete", "tenant", "demo-team", "--ignore-not-found", "--wait=false", check=False)

@@ -1,8 +1,13 @@
-"""LoRA adapters through the gateway on the real local cluster: the operator and the gateway each under
-their least-privilege ServiceAccount (the gateway's reads LoRAAdapters), two tenants each with an adapter;
-each key reaches only its own adapter (401, 403, 404 otherwise) and lists only its own in /v1/models (with
-`parent`); a request for the adapter goes to the replica where the operator loaded it, and after the engine
-pod is killed, a request is held until the new replica has the adapter loaded, then served."""
+"""LoRA adapters of two tenants on one shared base service, through the gateway, on the real local cluster:
+the operator and the gateway each under their least-privilege ServiceAccount (the gateway's reads
+LoRAAdapters). The base InferenceService is in a namespace no Tenant claims (shared); each tenant's
+LoRAAdapter in its own namespace names it (spec.serviceNamespace), under the same name `sql`. Each key
+reaches only its own adapter (401, 403, 404 otherwise) and lists only its own in /v1/models (with
+`parent`); an adapter on a base in another tenant's namespace is refused in its status (BaseNotShared);
+each tenant's status meters its own adapter's tokens; after the engine pod is killed, a request is held
+until the new replica has the adapter loaded, then served.
+
+"""
 
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ RUN = uuid.uuid4().hex[:6]
 KEY_A, KEY_B = f"fl-a-{uuid.uuid4().hex}", f"fl-b-{uuid.uuid4().hex}"
 TENANT_A, TENANT_B = f"lg-a-{RUN}", f"lg-b-{RUN}"
 NS_A, NS_B = f"lga-{RUN}", f"lgb-{RUN}"
+NS_SHARED = f"lgs-{RUN}"  # claimed by no Tenant
+SERVED = f"tiny-{RUN}"  # the shared base's served name
 
 
 class Env:
@@ -53,16 +60,19 @@ class Env:
     def adapter(self, name: str, namespace: str) -> dict:
         return self.cluster.get_json("loraadapter", name, "-n", namespace)
 
+    def metered(self, tenant: str) -> dict[str, dict]:
+        return (self.cluster.get_json("tenant", tenant).get("status") or {}).get("adapters") or {}
+
 
 def _tenant(name: str, namespace: str) -> dict:
     return {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": name},
             "spec": {"namespaces": [namespace], "gpuQuota": {"h100": 2}}}  # fmt: skip
 
 
-def _adapter(name: str, namespace: str, service: str, folder: Path) -> dict:
+def _adapter(name: str, namespace: str, folder: Path, base_ns: str = NS_SHARED) -> dict:
     return {"apiVersion": "flotilla.dev/v1alpha1", "kind": "LoRAAdapter",
             "metadata": {"name": name, "namespace": namespace},
-            "spec": {"inferenceService": service, "source": f"file://{folder}"}}  # fmt: skip
+            "spec": {"inferenceService": "base", "serviceNamespace": base_ns, "source": f"file://{folder}"}}  # fmt: skip
 
 
 def _loaded_pods(obj: dict) -> list[str]:
@@ -77,7 +87,7 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
     workdir = tmp_path_factory.mktemp("gateway-lora")
     model = tiny_model(workdir / "tiny-llama")
     adapters = workdir / "adapters"
-    for seed, name in enumerate(("sql", "faq")):
+    for seed, name in enumerate(("sql-a", "sql-b")):
         write_random_adapter(adapters / name, ModelConfig.from_file(model / "config.json"), rank=8, seed=seed)
     install_manifests(cluster)
     master = workdir / "engine-token"
@@ -87,7 +97,7 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
     token = service_account_token(cluster, OPERATOR_NS)
     gateway = GatewayProcess(kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token}),
                              workdir / "gateway.log", OPERATOR_NS, master)  # fmt: skip
-    for ns in (NS_A, NS_B):
+    for ns in (NS_A, NS_B, NS_SHARED):
         cluster.kubectl("create", "namespace", ns)
     lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(adapters)}
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
@@ -96,11 +106,12 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
         _tenant(TENANT_B, NS_B),
         key_secret(TENANT_A, "first", KEY_A, OPERATOR_NS, f"{TENANT_A}-keys"),
         key_secret(TENANT_B, "first", KEY_B, OPERATOR_NS, f"{TENANT_B}-keys"),
-        inference_service("base", model, NS_A, replicas=1, engine=engine),
-        # Tenant B's base, at zero replicas: its adapter exists (for /v1/models and the 403s) but is loaded nowhere.
-        inference_service("base", model, NS_B, replicas=0, served_name="tiny-b", engine=engine),
-        _adapter("sql", NS_A, "base", adapters / "sql"),
-        _adapter("faq", NS_B, "base", adapters / "faq"),
+        inference_service("base", model, NS_SHARED, replicas=1, served_name=SERVED, engine=engine),
+        # Tenant B's own base, at zero replicas: tenant A's adapter may not name it.
+        inference_service("base", model, NS_B, replicas=0, served_name=f"b-{RUN}", engine=engine),
+        _adapter("sql", NS_A, adapters / "sql-a"),
+        _adapter("sql", NS_B, adapters / "sql-b"),
+        _adapter("stolen", NS_A, adapters / "sql-a", base_ns=NS_B),
     ]
     operator.start()
     try:
@@ -109,42 +120,81 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
         yield Env(cluster, gateway)
     finally:
         gateway.stop()
+        # Adapters first (the operator unloads them from the shared base), then the services.
         for ns in (NS_A, NS_B):
-            cluster.kubectl("delete", "loraadapter,fisvc", "--all", "-n", ns, "--timeout=60s", check=False)
+            cluster.kubectl("delete", "loraadapter", "--all", "-n", ns, "--timeout=60s", check=False)
+        for ns in (NS_A, NS_B, NS_SHARED):
+            cluster.kubectl("delete", "fisvc", "--all", "-n", ns, "--timeout=60s", check=False)
         operator.stop()
-        for ns in (NS_A, NS_B):
+        for ns in (NS_A, NS_B, NS_SHARED):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.kubectl("delete", "tenant", TENANT_A, TENANT_B, "--wait=false", check=False)
         cluster.kubectl("delete", "secret", "-n", OPERATOR_NS, f"{TENANT_A}-keys", f"{TENANT_B}-keys",
                         "--ignore-not-found", check=False)  # fmt: skip
 
 
-def test_each_key_reaches_only_its_own_adapter_and_a_killed_replica_is_waited_for(env: Env):
-    loaded = wait_for(lambda: _loaded_pods(env.adapter("sql", NS_A)) or None, 300, "sql Loaded")
-    assert loaded is not None
-    (pod,) = loaded
-    first = env.post("sql")
-    assert first.status_code == 200 and first.json()["model"] == "sql", first.text
-    # The base beside it, by its id (a bare "tiny" may be ambiguous with other tests' shared services).
-    base = env.post(f"{NS_A}/base")
-    assert base.status_code == 200 and base.json()["model"] == "tiny", base.text
-    assert env.post(f"{NS_A}/sql").status_code == 200
+def test_two_tenants_adapters_on_one_shared_base_each_key_reaches_its_own_and_is_metered(env: Env):
+    loaded = {
+        ns: wait_for(lambda ns=ns: _loaded_pods(env.adapter("sql", ns)) or None, 300, f"{ns}/sql Loaded")
+        for ns in (NS_A, NS_B)
+    }
+    pods = loaded[NS_A]
+    assert pods is not None and loaded[NS_B] == pods  # one replica, of the shared base
+    (pod,) = pods
+    for ns in (NS_A, NS_B):
+        status = env.adapter("sql", ns)["status"]
+        assert status["servedName"] == f"{ns}/sql", status  # the engine's name on the shared base
+
+    # Each key's bare "sql" is its own tenant's adapter (the answer names the adapter's id).
+    generated = {NS_A: 0, NS_B: 0}
+    for key, ns in ((KEY_A, NS_A), (KEY_B, NS_B)):
+        for model in ("sql", f"{ns}/sql"):
+            answer = env.post(model, key)
+            assert answer.status_code == 200 and answer.json()["model"] == f"{ns}/sql", answer.text
+            generated[ns] += answer.json()["usage"]["completion_tokens"]
+    base = env.post(SERVED)  # the shared base itself: every tenant's
+    assert base.status_code == 200 and base.json()["model"] == SERVED, base.text
 
     # Another tenant's adapter: 403 naming only what was sent; unknown: 404; no key: 401.
-    for model, key in (("sql", KEY_B), ("faq", KEY_A), (f"{NS_B}/faq", KEY_A)):
+    for model, key in ((f"{NS_B}/sql", KEY_A), (f"{NS_A}/sql", KEY_B), (f"{NS_A}/stolen", KEY_B)):
         refused = env.post(model, key)
         assert refused.status_code == 403, refused.text
-        # Only what the client sent: never the owner, its namespaces or its other adapters.
         assert refused.json()["error"]["message"] == f"your API key's tenant may not use the model {model!r}"
     assert env.post("nope").status_code == 404
     assert env.post("sql", key=None).status_code == 401
 
     mine, theirs = env.models(KEY_A), env.models(KEY_B)
-    assert mine["sql"]["parent"] == "tiny" and "faq" not in mine
-    assert theirs["faq"]["parent"] == "tiny-b" and "sql" not in theirs
+    assert mine["sql"]["parent"] == SERVED and theirs["sql"]["parent"] == SERVED
+    assert f"{NS_B}/sql" not in mine and f"{NS_A}/sql" not in theirs and "stolen" not in theirs
+
+    # A base in another tenant's namespace: refused in status, loaded nowhere, and refused at the gateway.
+    stolen = env.adapter("stolen", NS_A)["status"]
+    ready = {c["type"]: c for c in stolen["conditions"]}["Ready"]
+    assert ready["reason"] == "BaseNotShared" and f"spec.serviceNamespace {NS_B!r}" in ready["message"], (
+        stolen
+    )
+    assert stolen.get("replicas") == []
+    assert env.post("stolen").status_code == 503
+
+    # Metering: each tenant's status counts its own adapter's tokens (served by the shared engine as
+    # `namespace/name`), and never the other's.
+    for tenant, ns, other in ((TENANT_A, NS_A, NS_B), (TENANT_B, NS_B, NS_A)):
+        usage = wait_for(
+            lambda tenant=tenant, ns=ns: (
+                (env.metered(tenant).get(f"{ns}/sql") or {}).get("output", 0) >= generated[ns]
+                and env.metered(tenant)
+            ),
+            60,
+            f"{tenant}'s metering of {ns}/sql",
+        )
+        assert usage is not None and f"{other}/sql" not in usage, usage
+        # Exactly what its own requests generated: the other tenant's on the same engine never count.
+        assert usage[f"{ns}/sql"]["output"] == generated[ns] and usage[f"{ns}/sql"]["input"] > 0, usage
 
     # The engine pod is killed: the request waits for the new replica to have the adapter, then is served.
-    env.cluster.kubectl("delete", "pod", pod, "-n", NS_A, "--wait=false")
-    after = env.post("sql")
-    assert after.status_code == 200 and after.json()["model"] == "sql", after.text
-    assert pod not in _loaded_pods(env.adapter("sql", NS_A))
+    env.cluster.kubectl("delete", "pod", pod, "-n", NS_SHARED, "--wait=false")
+    for key, ns in ((KEY_A, NS_A), (KEY_B, NS_B)):
+        after = env.post("sql", key)
+        assert after.status_code == 200 and after.json()["model"] == f"{ns}/sql", after.text
+    for ns in (NS_A, NS_B):
+        assert pod not in _loaded_pods(env.adapter("sql", ns))

@@ -161,6 +161,26 @@ def test_the_gateway_serves_each_namespace_to_its_owner_only():
             assert may_use(tenant, view) == allowed, (ns, tenant)
 
 
+def test_an_adapter_may_use_a_base_in_its_own_namespace_a_shared_one_or_its_tenants_own():
+    """The operator's rule for a LoRAAdapter's base in another namespace is the gateway's may_use, asked
+    for the adapter's tenant: every pair of namespaces of the table."""
+    from flotilla.operator.desired.lora_adapter import sharing_problem
+    from flotilla.ownership import adapter_may_use
+
+    for mine, mine_expected in EXPECTED.items():
+        adapter = owner_of(mine, TENANTS, NAMESPACES)
+        for theirs, expected in EXPECTED.items():
+            base = owner_of(theirs, TENANTS, NAMESPACES)
+            if mine == theirs:
+                allowed = True
+            elif isinstance(mine_expected, tuple) or isinstance(expected, tuple):
+                allowed = False  # a contested namespace has no tenant, and nobody uses its services
+            else:
+                allowed = expected is None or expected == mine_expected
+            assert adapter_may_use(adapter, base) == allowed, (mine, theirs)
+            assert (sharing_problem(adapter, base) is None) == allowed, (mine, theirs)
+
+
 def test_a_relabelled_namespace_changes_owner_in_the_gateway_at_the_next_event():
     fleet = KubeFleet(cast(GatewayKube, None), "flotilla-system")
     fleet.tenants["by-labels"] = {"metadata": {"name": "by-labels"}, "spec": TENANTS["by-labels"]}

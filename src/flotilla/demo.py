@@ -3,14 +3,18 @@
 Flotilla is installed as a platform team installs it: `helm upgrade --install` of charts/flotilla, so the
 operator runs as a pod (under its ServiceAccount, in-cluster config) with the admission webhook on. A
 Tenant owns the `demo` namespace with a GPU quota; the webhook refuses an InferenceService over it; one
-within it runs the real engine on a random-weight tiny model; the demo waits for Ready=True and asks it
-for one completion through the official `openai` client, then shows what metering counted.
+within it runs the real engine on `tiny-trained` (a small model trained on a synthetic corpus, on first use)
+and serves LoRA adapters; the demo waits for Ready=True and asks it for one completion through the official
+`openai` client; registers the demo adapter (`tiny-trained-runbook`, fine-tuned on deploy runbooks) as the
+tenant's LoRAAdapter and asks the base and the adapter the same question through the gateway with the
+tenant's key; then shows what metering counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +24,12 @@ import yaml
 NAMESPACE = "demo"
 TENANT = "demo-team"
 SERVICE = "tiny-chat"
+SERVED_NAME = "tiny-trained"
+ADAPTER = "deploy-runbook"
+ADAPTER_PRESET = "tiny-trained-runbook"
+# A deploy-steps prompt about a service whose name the model knows (a corpus name, one token): the base
+# answers with the steps in their usual order, the adapter with its house runbook (config file first).
+ADAPTER_PROMPT = "How to deploy muru-api:"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-def _manifests(model_dir: Path) -> str:
+def _manifests(model_dir: Path, adapter_dir: Path) -> str:
     from flotilla.operator.cmd.local import inference_service
 
     tenant = {
@@ -47,22 +57,62 @@ def _manifests(model_dir: Path) -> str:
         SERVICE,
         model_dir,
         NAMESPACE,
-        served_name="tiny-llama",
-        engine={"kvCacheMemory": "64Mi", "maxNumSeqs": 8},
+        served_name=SERVED_NAME,
+        engine={
+            "kvCacheMemory": "64Mi",
+            "maxNumSeqs": 8,
+            # adapterDir: the node folder mounted into every replica; the adapters' file:// sources lie in it.
+            "lora": {
+                "enabled": True,
+                "maxLoras": 2,
+                "maxLoraRank": 16,
+                "adapterDir": str(adapter_dir.parent),
+            },
+        },
     )
     return yaml.safe_dump_all([tenant, service])
+
+
+def _adapter_manifest(adapter_dir: Path) -> str:
+    """The tenant's LoRAAdapter: its name is what requests send as `model`."""
+    adapter = {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": ADAPTER, "namespace": NAMESPACE},
+        "spec": {"inferenceService": SERVICE, "source": f"file://{adapter_dir}"},
+    }
+    return yaml.safe_dump(adapter)
 
 
 def _step(message: str) -> None:
     print(f"== {message}", flush=True)
 
 
-def _model(state_dir: Path) -> Path:
-    from flotilla.operator.cmd.local import tiny_model
+def _flotilla(*args: str) -> None:
+    """A `flotilla` command whose output (training progress) goes to the terminal as it comes."""
+    subprocess.run([sys.executable, "-m", "flotilla.cli", *args], check=True, timeout=1800)
 
-    model_dir = state_dir / "models" / "tiny-llama"
-    print(f"   {'reusing' if (model_dir / 'config.json').exists() else 'writing'} {model_dir}")
-    return tiny_model(model_dir)
+
+def _model(state_dir: Path) -> Path:
+    """tiny-trained in the cluster's state folder, which pods reach at the same path (hostPath)."""
+    model_dir = state_dir / "models" / SERVED_NAME
+    if (model_dir / "config.json").exists():
+        print(f"   reusing {model_dir}")
+    else:
+        print(f"   writing {model_dir}", flush=True)
+        _flotilla("model", "init", "--preset", SERVED_NAME, str(model_dir))
+    return model_dir
+
+
+def _adapter(state_dir: Path) -> Path:
+    """The demo adapter in the cluster's state folder, under the service's adapterDir."""
+    adapter_dir = state_dir / "adapters" / ADAPTER
+    if (adapter_dir / "adapter_model.safetensors").exists():
+        print(f"   reusing {adapter_dir}")
+    else:
+        print(f"   writing {adapter_dir}", flush=True)
+        _flotilla("model", "init-adapter", "--preset", ADAPTER_PRESET, str(adapter_dir))
+    return adapter_dir
 
 
 def _node_port(state_dir: Path, name: str) -> int:
@@ -169,8 +219,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     cluster = ClusterHandle(config, started_here=False)
 
-    _step("a random-weight tiny model (flotilla model init --preset tiny-llama)")
+    _step(f"a small trained model (flotilla model init --preset {SERVED_NAME}; trained once, then cached)")
     model_dir = _model(state_dir)
+    _step(
+        f"its demo LoRA adapter (flotilla model init-adapter --preset {ADAPTER_PRESET}; seconds, then cached)"
+    )
+    adapter_dir = _adapter(state_dir)
 
     _step("Flotilla through its Helm chart: CRDs, RBAC, the operator as a pod, the admission webhook")
     installing = time.monotonic()
@@ -178,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
     _step(f"Tenant {TENANT} owning namespace {NAMESPACE}, and InferenceService {SERVICE}")
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
-    print(cluster.apply(_manifests(model_dir)).stdout.rstrip())
+    print(cluster.apply(_manifests(model_dir, adapter_dir)).stdout.rstrip())
 
     _step("the webhook refuses a service over the Tenant's quota (5 replicas x 1 GPU > 4)")
     print(f"   {_over_quota_refusal(cluster)}")
@@ -192,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     metered_before = _metered_output(_tenant_status(cluster))  # an earlier demo's completions
     client = OpenAI(base_url=endpoint, api_key="unused", timeout=120)
     answer = client.completions.create(
-        model="tiny-llama", prompt="The fleet sails", max_tokens=12, extra_body={"ignore_eos": True}
+        model=SERVED_NAME, prompt="The fleet sails", max_tokens=12, extra_body={"ignore_eos": True}
     )
     print(f"   text: {answer.choices[0].text!r}")
     print(
@@ -201,9 +255,10 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"   usage: {answer.usage.prompt_tokens} prompt + {answer.usage.completion_tokens} completion tokens"
     )
-    print("   (the weights are random, so the text is noise; the path through the fleet is real)")
+    print(f"   ({SERVED_NAME} knows only its synthetic corpus: deploy steps, lists, code, short stories)")
 
     gateway = _through_the_gateway(cluster, state_dir)
+    gateway += _adapter_through_the_gateway(cluster, state_dir, adapter_dir, args.timeout)
 
     _step(f"metering: what Tenant {TENANT} has used, once the operator's next round has read the engine")
     tenant = _wait_metered(cluster, metered_before + answer.usage.completion_tokens + gateway, timeout=60)
@@ -219,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"export KUBECONFIG={config.kubeconfig}")
     print(f"kubectl get fisvc -n {NAMESPACE}; kubectl get tenant {TENANT} -o yaml")
     print(f"curl {endpoint}/completions -H 'Content-Type: application/json' "
-          """-d '{"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8}'""")  # fmt: skip
+          f"""-d '{{"model": "{SERVED_NAME}", "prompt": "Hello", "max_tokens": 8}}'""")  # fmt: skip
+    print(f"kubectl get flora -n {NAMESPACE}  # the tenant's LoRA adapters, loaded per replica")
     print(f"the gateway: OpenAI(base_url='http://127.0.0.1:{_node_port(state_dir, 'gateway')}/v1', "
           f"api_key=open('{state_dir / 'demo-api-key'}').read())")  # fmt: skip
     print(
@@ -258,7 +314,7 @@ def _through_the_gateway(cluster, state_dir: Path) -> int:
     wait_for(answered, 120, "the gateway to know the key and the service")
     client = OpenAI(base_url=base, api_key=key, timeout=120, max_retries=0)
     answer = client.completions.create(
-        model="tiny-llama", prompt="Through the gateway", max_tokens=8, extra_body={"ignore_eos": True}
+        model=SERVED_NAME, prompt="Through the gateway", max_tokens=8, extra_body={"ignore_eos": True}
     )
     print(
         f"   text: {answer.choices[0].text!r} (routed by prefix and load; the engine counted it for {TENANT})"
@@ -268,3 +324,56 @@ def _through_the_gateway(cluster, state_dir: Path) -> int:
     except Exception as exc:  # openai.AuthenticationError
         print(f"   a wrong key: {type(exc).__name__}")
     return answer.usage.completion_tokens if answer.usage else 0
+
+
+def _wait_adapter_loaded(cluster, timeout: float) -> None:
+    """Until the operator reports the adapter Loaded in every ready replica (its Ready condition)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        result = cluster.kubectl("get", "flora", ADAPTER, "-n", NAMESPACE, "-o", "json", check=False)
+        if result.returncode == 0:
+            conditions = {
+                c["type"]: c
+                for c in (yaml.safe_load(result.stdout).get("status") or {}).get("conditions") or []
+            }
+            ready = conditions.get("Ready") or {}
+            line = (
+                f"   Ready={ready.get('status', '?')} {ready.get('reason', '')}: {ready.get('message', '')}"
+            )
+            if line != last:
+                print(line, flush=True)
+                last = line
+            if ready.get("status") == "True":
+                return
+        time.sleep(2)
+    raise SystemExit(
+        f"demo: LoRAAdapter {ADAPTER} was not loaded after {timeout:.0f}s; see `kubectl describe flora`"
+    )
+
+
+def _adapter_through_the_gateway(cluster, state_dir: Path, adapter_dir: Path, timeout: float) -> int:
+    """The tenant's LoRAAdapter on the service, then one prompt to the base and to the adapter through the
+    gateway with the tenant's key; returns the completion tokens, for metering."""
+    from openai import OpenAI
+
+    _step(f"Tenant {TENANT}'s LoRA adapter {ADAPTER} on {SERVICE} (a LoRAAdapter; the operator loads it)")
+    print(f"   {cluster.apply(_adapter_manifest(adapter_dir)).stdout.rstrip()}")
+    _wait_adapter_loaded(cluster, timeout)
+    print("   " + cluster.kubectl("get", "flora", "-n", NAMESPACE).stdout.rstrip().replace("\n", "\n   "))
+
+    base = f"http://127.0.0.1:{_node_port(state_dir, 'gateway')}/v1"
+    key = (state_dir / "demo-api-key").read_text().strip()
+    client = OpenAI(base_url=base, api_key=key, timeout=120, max_retries=0)
+    _step(f"the same prompt to the base and to the adapter, through the gateway: {ADAPTER_PROMPT!r}")
+    tokens = 0
+    texts = {}
+    for model in (SERVED_NAME, ADAPTER):
+        answer = client.completions.create(model=model, prompt=ADAPTER_PROMPT, max_tokens=120, temperature=0)
+        texts[model] = answer.choices[0].text
+        tokens += answer.usage.completion_tokens if answer.usage else 0
+        print(f"   model {model}:")
+        print("      " + texts[model].strip().replace("\n", "\n      "))
+    same = texts[SERVED_NAME] == texts[ADAPTER]
+    print(f"   the answers {'are the same (unexpected)' if same else 'differ'}: the adapter writes its house "
+          "runbook (every step, the config file first), the base the steps in their usual order")  # fmt: skip
+    return tokens

@@ -100,6 +100,27 @@ def owner_of(namespace: str, tenants: TenantSpecs, namespace_labels: NamespaceLa
     )
 
 
+def may_use(tenant: str | None, owner: str | None, contested: bool) -> bool:
+    """Whether a caller of `tenant` (None: none) may use a service in a namespace owned by `owner` (None:
+    no Tenant, or several: `contested`): a tenant's namespace is that tenant's alone; one no Tenant claims
+    is shared by every tenant; a contested one is nobody's until the claim is resolved. The gateway asks it
+    of every request (a key's tenant), and the operator of every LoRAAdapter on a base service in another
+    namespace (the adapter's tenant; adapter_may_use)."""
+    if contested:
+        return False
+    return owner is None or owner == tenant
+
+
+def adapter_may_use(adapter: Owner, base: Owner) -> bool:
+    """Whether a LoRAAdapter in the namespace `adapter` describes may be served by a base service in the
+    namespace `base` describes: its own namespace always; another one only where the adapter's tenant may
+    use that namespace's services (may_use: shared, or its own), and never from a contested namespace
+    (whose tenant is nobody)."""
+    if adapter.namespace == base.namespace:
+        return True
+    return not adapter.contested and may_use(adapter.tenant, base.tenant, base.contested)
+
+
 def namespaces_claimed(spec: Mapping[str, Any], namespace_labels: NamespaceLabels) -> list[str]:
     """Every namespace a Tenant claims: those it lists (existing or not) and the existing ones it selects."""
     found = set(spec.get("namespaces") or ())

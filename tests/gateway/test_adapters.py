@@ -285,3 +285,56 @@ def test_an_adapter_named_like_its_bases_model_never_shadows_the_base() -> None:
     assert isinstance(by_id, ServiceView) and by_id.adapter == "tiny"
     assert by_id.adapter_refusal is not None and "NameTaken" not in by_id.adapter_refusal
     assert [model_id for model_id, _ in idx.visible_models("a")] == ["team-a/tiny", "tiny"]
+
+
+# -- adapters of two tenants on one shared base service --------------------------------------------------------
+def shared_lora(namespace: str, name: str, **phases: str) -> dict[str, Any]:
+    obj = lora(namespace, name, service="chat", **phases)
+    obj["spec"]["serviceNamespace"] = "shared"
+    return obj
+
+
+def shared_index() -> ModelIndex:
+    chat = service_view(isvc("shared", "chat", "chat"), PODS, tenant_of)
+    adapters = [
+        adapter(shared_lora("team-a", "sql", base_0="Loaded")),
+        adapter(shared_lora("team-b", "sql", base_1="Loaded")),
+        adapter(shared_lora("team-b", "only-b", base_1="Loaded")),
+    ]
+    return ModelIndex([chat], adapters)
+
+
+def test_two_tenants_adapters_on_one_shared_base_each_reach_their_own_under_its_engine_name() -> None:
+    idx = shared_index()
+    for tenant, namespace, pod_name in (("a", "team-a", "base-0"), ("b", "team-b", "base-1")):
+        found = idx.resolve("sql", tenant)  # each tenant's own, not ambiguous with the other's
+        assert isinstance(found, ServiceView) and found.model_id == f"{namespace}/sql"
+        assert found.upstream_model == f"{namespace}/sql"  # the engine's name for it on the shared base
+        assert found.adapter == f"{namespace}/sql" and found.base_key == "shared/chat"
+        assert found.namespace == "shared"  # routed (and given the engine token) as its base's namespace
+        assert [e.pod for e in found.endpoints] == [pod_name]
+        assert idx.resolve(f"{namespace}/sql", tenant) is found
+    for model in ("team-b/sql", "only-b", "team-b/only-b"):
+        refused = idx.resolve(model, "a")
+        assert isinstance(refused, Forbidden) and refused.status == 403, model
+    assert isinstance(idx.resolve("team-a/sql", "b"), Forbidden)
+    assert isinstance(idx.resolve("sql", None), Forbidden)  # no key: shared things only
+    assert isinstance(idx.resolve("team-a/nope", "a"), NotFound)
+    models = dict(idx.visible_models("a"))
+    assert sorted(models) == ["chat", "sql"] and idx.parent_id(models["sql"], "a") == "chat"
+    base_of_b = service_view(isvc("shared", "chat", "chat"), PODS, tenant_of)
+    assert idx.resolve("chat", "b") == base_of_b  # the shared base is every tenant's
+
+
+def test_an_adapter_refused_a_base_it_may_not_use_is_refused_at_once() -> None:
+    obj = shared_lora("team-a", "sql")
+    obj["status"]["conditions"] = [
+        {
+            "type": "Ready",
+            "status": "False",
+            "reason": "BaseNotShared",
+            "message": "spec.serviceNamespace ...",
+        }
+    ]
+    route = adapter_route(adapter(obj), service_view(isvc("shared", "chat", "chat"), PODS, tenant_of))
+    assert route.adapter_refusal == "spec.serviceNamespace ..."

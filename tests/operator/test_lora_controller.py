@@ -206,3 +206,125 @@ def test_loads_and_unloads_carry_the_namespaces_internal_token_when_engines_have
     assert engine.tokens == [engine_token("master", NS)] * 3
     _round(_memo(), _body("file:///adapters/sql-v3", status), _indexes([_pod("p5", "127.7.0.5")]))
     assert engines.of("http://127.7.0.5:8000/v1").tokens == [None]  # no master: engines have no token
+
+
+# -- a base service in another namespace ---------------------------------------------------------------------
+SHARED = "shared"  # claimed by no Tenant: its services are every tenant's
+TENANTS = {"acme": {"namespaces": [NS, "team-a2"]}, "beta": {"namespaces": ["team-b"]}}
+
+
+def _shared_indexes(pods: list[dict], base_ns: str = SHARED, tenants: dict | None = None) -> dict:
+    found = _indexes(pods)
+    base = found["services"][(NS, BASE)]
+    return {
+        "services": {(base_ns, BASE): base},
+        "pods": {(base_ns, BASE): pods},
+        "tenants": {name: [spec] for name, spec in (tenants or TENANTS).items()},
+        "namespace_labels": {ns: [{}] for ns in (NS, "team-a2", "team-b", SHARED)},
+    }
+
+
+def _shared_body(base_ns: str = SHARED, namespace: str = NS, status: dict | None = None) -> dict:
+    body = _body(status=status)
+    body["metadata"]["namespace"] = namespace
+    body["spec"]["serviceNamespace"] = base_ns
+    return body
+
+
+def test_adapters_of_two_tenants_share_a_base_in_a_shared_namespace_under_their_own_ids(engines) -> None:
+    """On a shared base the engine name is `namespace/name`: two tenants' adapters of one name coexist;
+    loads carry the base namespace's token (its engines' own); delete unloads that name only."""
+    memo, pods = _memo("master"), [_pod("s0", "127.7.1.1")]
+    status = _round(memo, _shared_body(), _shared_indexes(pods))
+    other = _round(memo, _shared_body(namespace="team-b"), _shared_indexes(pods))
+    engine = engines.of("http://127.7.1.1:8000/v1")
+    assert engine.served == {f"{NS}/{NAME}": "/adapters/sql", f"team-b/{NAME}": "/adapters/sql"}
+    assert engine.tokens == [engine_token("master", SHARED)] * 2
+    assert status["servedName"] == f"{NS}/{NAME}" and other["servedName"] == f"team-b/{NAME}"
+    assert [(r["pod"], r["phase"]) for r in status["replicas"]] == [("s0", "Loaded")]
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {"Valid": "True", "Ready": "True"}
+    lora_adapters.unload(body=_shared_body(), retry=0, memo=memo, **_shared_indexes(pods))
+    assert engine.served == {f"team-b/{NAME}": "/adapters/sql"}
+
+
+def test_a_base_in_another_tenants_or_a_contested_namespace_is_refused_in_status_and_never_loaded(
+    engines,
+) -> None:
+    memo, pods = _memo(), [_pod("b0", "127.7.2.1")]
+    status = _round(memo, _shared_body("team-b"), _shared_indexes(pods, "team-b"))
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "BaseNotShared"
+    assert ready["message"].startswith("spec.serviceNamespace 'team-b': namespace team-b does not belong to")
+    assert "beta" not in ready["message"]  # never names another tenant
+    assert status["replicas"] == [] and engines.of("http://127.7.2.1:8000/v1").calls == []
+    contested = {**TENANTS, "gamma": {"namespaces": [SHARED]}, "delta": {"namespaces": [SHARED]}}
+    status = _round(memo, _shared_body(), _shared_indexes(pods, SHARED, contested))
+    assert {c["type"]: c for c in status["conditions"]}["Ready"]["reason"] == "BaseNotShared"
+    # Another namespace of the adapter's own tenant is its own to use.
+    status = _round(memo, _shared_body("team-a2"), _shared_indexes(pods, "team-a2"))
+    assert status["servedName"] == f"{NS}/{NAME}" and status["loadedReplicas"] == 1
+
+
+def test_an_adapter_whose_shared_base_namespace_changes_owner_is_unloaded_there(engines) -> None:
+    """Admitted on a shared base, then that namespace is claimed by another tenant: the next round refuses
+    it (BaseNotShared) and unloads it from the base's engines."""
+    memo, pods = _memo(), [_pod("s0", "127.7.1.1")]
+    status = _round(memo, _shared_body(), _shared_indexes(pods))
+    engine = engines.of("http://127.7.1.1:8000/v1")
+    assert engine.served == {f"{NS}/{NAME}": "/adapters/sql"}
+    claimed = {**TENANTS, "beta": {"namespaces": ["team-b", SHARED]}}
+    status = _round(memo, _shared_body(status=status), _shared_indexes(pods, SHARED, claimed))
+    assert {c["type"]: c for c in status["conditions"]}["Ready"]["reason"] == "BaseNotShared"
+    assert engine.served == {} and status["replicas"] == []
+    _round(memo, _shared_body(status=status), _shared_indexes(pods, SHARED, claimed))
+    assert engine.calls == [("load", f"{NS}/{NAME}"), ("unload", f"{NS}/{NAME}")]  # once: not served any more
+
+
+def test_moving_an_adapter_off_a_shared_base_unloads_it_there(engines) -> None:
+    memo, pods = _memo(), [_pod("s0", "127.7.1.1")]
+    _round(memo, _shared_body(), _shared_indexes(pods))
+    moved = _body()  # back to the base in its own namespace
+    patch: dict = {}
+    both = {
+        **_shared_indexes(pods),
+        "services": {**_shared_indexes(pods)["services"], **_indexes([])["services"]},
+    }
+    lora_adapters.reconcile(body=moved, old=_shared_body(), patch=patch, memo=memo, **both)
+    assert engines.of("http://127.7.1.1:8000/v1").served == {}
+
+
+def _sharing_memo() -> SimpleNamespace:
+    tenants = {name: TenantSpec.model_validate(spec) for name, spec in TENANTS.items()}
+
+    class Ledger(FakeLedger):
+        def world(self, *, services: bool = True) -> World:
+            return World(tenants=self.tenants, labels={ns: {} for ns in (NS, "team-a2", "team-b", SHARED)})
+
+    custom = SimpleNamespace(list_cluster_custom_object=lambda *a: {"items": []})
+    return SimpleNamespace(
+        admission=Ledger(tenants), runtime=SimpleNamespace(kube=SimpleNamespace(custom=custom))
+    )
+
+
+def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:
+    memo = _sharing_memo()
+
+    def admit(base_ns: str, namespace: str = NS, old: dict | None = None) -> None:
+        body = {"spec": {"inferenceService": BASE, "source": SOURCE, "serviceNamespace": base_ns}}
+        given: dict = {"body": body, "old": old, "namespace": namespace, "name": NAME, "memo": memo}
+        webhook_reviews.admit_adapter(**given)
+
+    admit(SHARED)  # claimed by no Tenant
+    admit("team-a2")  # the tenant's own
+    admit(NS)  # its own namespace, named
+    with pytest.raises(kopf.AdmissionError) as refused:
+        admit("team-b")
+    assert refused.value.code == 403
+    assert str(refused.value).startswith(
+        f"LoRAAdapter {NS}/{NAME}: spec.serviceNamespace 'team-b': namespace team-b does not belong to tenant acme"
+    )
+    with pytest.raises(kopf.AdmissionError, match="spec.serviceNamespace 'team-b'"):
+        admit("team-b", old={"spec": {"inferenceService": BASE, "source": SOURCE}})  # an update moving it
+    with pytest.raises(kopf.AdmissionError, match="the adapter's namespace unowned to none"):
+        admit("team-b", namespace="unowned")
+    admit(SHARED, namespace="unowned")

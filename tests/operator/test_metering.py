@@ -144,6 +144,23 @@ def test_adapter_counters_count_per_adapter_deltas_restarts_and_reloads():
     assert added == {"a1/fr": t(), "a1/de": t(output=7)}
 
 
+def test_adapters_on_a_shared_base_count_for_their_own_namespace_and_tenant_only():
+    """On a shared base the engine serves an adapter as `namespace/name` (desired.lora_adapter.served_name):
+    its tokens are that namespace's adapter's, whatever namespace the pod is in, and a tenant reading the
+    shared engines keeps the counters of its own namespaces' adapters only."""
+    from flotilla.operator.tenancy.metering import adapter_key, count_adapter_tokens, shared_adapter_counters
+
+    t = TokenCount
+    assert adapter_key("shared", "a1/fr") == "a1/fr" and adapter_key("a1", "fr") == "a1/fr"
+    read = {"s1": {"a1/fr": t(input=7, output=3), "b1/fr": t(input=50), "local": t(input=9)}}
+    mine = shared_adapter_counters(read, ["a1", "a2"])
+    assert mine == {"s1": {"a1/fr": t(input=7, output=3)}}  # b1's adapter and the shared ns's own: not ours
+    added, counters = count_adapter_tokens({}, mine, {"s1": "shared"})
+    assert added == {"a1/fr": t(input=7, output=3)}
+    added, _ = count_adapter_tokens(counters, {"s1": {"a1/fr": t(input=8, output=5)}}, {"s1": "shared"})
+    assert added == {"a1/fr": t(input=1, output=2)}
+
+
 def test_adapter_usage_keeps_existing_adapters_only_and_prices_them_at_the_tenants_rate():
     from flotilla.operator.api.v1alpha1 import AdapterUsage
     from flotilla.operator.tenancy.metering import adapter_usage

@@ -147,8 +147,8 @@ class FrontDoor:
                 self.metrics.rate_limited.labels(tenant, limited.limit).inc()
                 raise GatewayError(429, limited.message, code="rate_limit_exceeded",
                                    headers={"Retry-After": str(limited.retry_after_seconds)})  # fmt: skip
-        if body["model"] != service.served_name:  # `namespace/name`: the engine knows its served name only
-            body["model"] = service.served_name
+        if body["model"] != service.upstream_model:  # `namespace/name`, or an adapter on a shared base
+            body["model"] = service.upstream_model
             content = json.dumps(body).encode()
         return Admitted(tenant, service, body, content, chat)
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from flotilla.contract import FLAG_FETCH_DEST, MODEL_FETCH
+from flotilla.engine.model.synthetic.demo_adapter import ADAPTER_PRESETS
 from flotilla.engine.model.synthetic.presets import PRESETS, TRAINED_PRESETS
 
 
@@ -25,6 +26,20 @@ def add_commands(subparsers) -> None:
     init.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     init.add_argument("dir", type=Path, help="folder to write (created if missing)")
     init.set_defaults(func=_init)
+
+    adapter = subparsers.add_parser(
+        "init-adapter",
+        help="write the demo LoRA adapter: tiny-trained fine-tuned on deploy runbooks (a PEFT folder)",
+        description="Write a demo LoRA adapter folder (adapter_config.json, adapter_model.safetensors). "
+        "tiny-trained-runbook is tiny-trained fine-tuned, in seconds on two CPU cores, on one kind of its "
+        "corpus's documents, the deploy steps, in a house style (every step, the config file first); "
+        "trained on first use (tiny-trained too, if it is not cached), then cached under "
+        "~/.cache/flotilla/models.",
+    )
+    adapter.add_argument("--preset", required=True, choices=list(ADAPTER_PRESETS))
+    adapter.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    adapter.add_argument("dir", type=Path, help="folder to write (created if missing)")
+    adapter.set_defaults(func=_init_adapter)
 
     info = subparsers.add_parser("info", help="check that a model folder loads and describe it")
     info.add_argument("dir", type=Path)
@@ -51,6 +66,17 @@ def _init(args: argparse.Namespace) -> int:
     folder = init_model(args.preset, args.dir, seed=args.seed)
     kind = "trained" if "training" in PRESETS[args.preset] else "random weights"
     print(f"wrote {args.preset} ({kind}) to {folder}")
+    return 0
+
+
+def _init_adapter(args: argparse.Namespace) -> int:
+    from flotilla.engine.model.synthetic.demo_adapter import init_adapter
+
+    if args.dir.exists() and any(args.dir.iterdir()):
+        print(f"flotilla model init-adapter: {args.dir} exists and is not empty", file=sys.stderr)
+        return 2
+    folder = init_adapter(args.preset, args.dir, seed=args.seed)
+    print(f"wrote {args.preset} (a LoRA adapter of {ADAPTER_PRESETS[args.preset]['base']}) to {folder}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """What the gateway knows about a LoRAAdapter (docs/lora.md, "In the fleet"), from the raw Kubernetes JSON
-of the object: its namespace and name (the name requests send as "model", and the adapter's name in the
-engine), its base InferenceService (in the same namespace), and per replica of that base whether the
-operator reports it Loaded, Loading or Failed there.
+of the object: its namespace and name (the name requests send as "model"), its base InferenceService (in
+spec.serviceNamespace, or the same namespace), the adapter's name in the base's engines (engine_name: the
+object's name, or `namespace/name` on a base in another namespace, as the operator loads it), and per
+replica of that base whether the operator reports it Loaded, Loading or Failed there.
 
 The gateway never loads an adapter: the operator does, into every ready replica, within one of its rounds
 (10 s). The gateway routes an adapter's requests only to replicas whose status says Loaded
@@ -21,20 +22,21 @@ LOADED, LOADING, FAILED = "Loaded", "Loading", "Failed"
 # the object or its base must change first. A request for such an adapter is refused at once, with the
 # operator's message, rather than held.
 BLOCKED_REASONS = frozenset({"Invalid", "BaseServiceNotFound", "BaseServiceInvalid", "LoRANotEnabled",
-                             "NoAdapterDir", "SourceOutsideAdapterDir", "NameTaken"})  # fmt: skip
+                             "NoAdapterDir", "SourceOutsideAdapterDir", "NameTaken", "BaseNotShared"})  # fmt: skip
 
 
 @dataclass(frozen=True)
 class AdapterView:
     namespace: str
-    name: str  # what clients send as "model", and the adapter's name in the engine
-    service: str  # spec.inferenceService: the base InferenceService's name, in `namespace`
+    name: str  # what clients send as "model"
+    service: str  # spec.inferenceService: the base InferenceService's name, in `service_namespace`
     tenant: str | None  # the Tenant owning the namespace (flotilla.ownership's one rule)
     contested: bool = False
     loaded_pods: frozenset[str] = frozenset()  # pods of the base whose status entry is Loaded
     failures: tuple[tuple[str, str], ...] = ()  # (pod, why) for each Failed entry, sorted by pod
     pending: int = 0  # entries still Loading
     blocked: str | None = None  # the operator's message when Ready is False for a BLOCKED_REASONS reason
+    service_namespace: str = ""  # spec.serviceNamespace; empty: `namespace`
 
     @property
     def key(self) -> str:
@@ -42,8 +44,18 @@ class AdapterView:
         return f"{self.namespace}/{self.name}"
 
     @property
+    def base_namespace(self) -> str:
+        return self.service_namespace or self.namespace
+
+    @property
     def service_key(self) -> str:
-        return f"{self.namespace}/{self.service}"
+        return f"{self.base_namespace}/{self.service}"
+
+    @property
+    def engine_name(self) -> str:
+        """The adapter's name in its base's engines (flotilla.operator.desired.lora_adapter.served_name: the
+        object's name, or `namespace/name` on a base in another namespace)."""
+        return self.name if self.base_namespace == self.namespace else self.key
 
 
 def adapter_view(obj: dict[str, Any], owner_of_namespace: Callable[[str], Owner]) -> AdapterView:
@@ -84,4 +96,5 @@ def adapter_view(obj: dict[str, Any], owner_of_namespace: Callable[[str], Owner]
         failures=tuple(sorted(failures)),
         pending=pending,
         blocked=blocked,
+        service_namespace=spec.get("serviceNamespace") or namespace,
     )

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flotilla import ownership
 from flotilla.contract import ENGINE_PORT
 from flotilla.gateway.core.adapters import AdapterView
 from flotilla.ownership import Owner
@@ -46,9 +47,12 @@ class ServiceView:
     quota_refusal: str | None = None  # why quota gives the service no replica, if it does not
     block_size: int | None = None  # spec.engine.blockSize; None: the engine's default
     contested: bool = False  # several Tenants claim the namespace: nobody may use the service
-    # A LoRA adapter's routing view (adapter_route): the base service `name` with `served_name` the
-    # adapter's, and only the endpoints where the operator reports the adapter Loaded.
+    # A LoRA adapter's routing view (adapter_route): the base service `namespace/name` with `served_name` the
+    # adapter's object's name, `adapter` its name in the engines (what the request sends upstream),
+    # `adapter_id` its LoRAAdapter's `namespace/name`, and only the endpoints where the operator reports the
+    # adapter Loaded.
     adapter: str | None = None
+    adapter_id: str | None = None
     adapter_refusal: str | None = None  # why the adapter cannot be served now and will not be soon
 
     @property
@@ -66,7 +70,12 @@ class ServiceView:
     @property
     def model_id(self) -> str:
         """`namespace/name`: the id clients may send for it (an adapter's is its LoRAAdapter's)."""
-        return f"{self.namespace}/{self.adapter or self.name}"
+        return self.adapter_id or f"{self.namespace}/{self.name}"
+
+    @property
+    def upstream_model(self) -> str:
+        """The `model` the engine knows it by: the served name, or the adapter's name in the engines."""
+        return self.adapter or self.served_name
 
     @property
     def effective_block_size(self) -> int:
@@ -157,9 +166,9 @@ def adapter_route(adapter: AdapterView, base: ServiceView | None) -> ServiceView
     or every ready replica of the base refused the adapter."""
     if base is None:
         return ServiceView(
-            namespace=adapter.namespace, name=adapter.service, served_name=adapter.name, tenant=adapter.tenant,
-            contested=adapter.contested, min_replicas=None, desired_replicas=0, gpus_per_replica=0,
-            adapter=adapter.name,
+            namespace=adapter.base_namespace, name=adapter.service, served_name=adapter.name,
+            tenant=adapter.tenant, contested=adapter.contested, min_replicas=None, desired_replicas=0,
+            gpus_per_replica=0, adapter=adapter.engine_name, adapter_id=adapter.key,
             adapter_refusal=f"its base InferenceService {adapter.service!r} does not exist",
         )  # fmt: skip
     endpoints = tuple(e for e in base.endpoints if e.pod in adapter.loaded_pods)
@@ -169,8 +178,9 @@ def adapter_route(adapter: AdapterView, base: ServiceView | None) -> ServiceView
     if refusal is None and not endpoints and ready and not adapter.pending and ready <= failed.keys():
         pod = min(ready)
         refusal = f"every ready replica of its base failed to load it ({pod}: {failed[pod]})"
-    return replace(base, served_name=adapter.name, endpoints=endpoints, adapter=adapter.name,
-                   adapter_refusal=refusal, tenant=adapter.tenant, contested=adapter.contested)  # fmt: skip
+    return replace(base, served_name=adapter.name, endpoints=endpoints, adapter=adapter.engine_name,
+                   adapter_id=adapter.key, adapter_refusal=refusal, tenant=adapter.tenant,
+                   contested=adapter.contested)  # fmt: skip
 
 
 # -- which service a request's "model" names, and who may use it ------------------------------------------
@@ -180,9 +190,7 @@ def may_use(tenant: str | None, service: ServiceView) -> bool:
     """A service in a tenant's namespace is that tenant's alone; one in a namespace no tenant owns is
     shared by every tenant; one in a namespace several Tenants claim is nobody's until the claim is
     resolved. A caller without a tenant (no API keys configured) sees only shared ones."""
-    if service.contested:
-        return False
-    return service.tenant is None or service.tenant == tenant
+    return ownership.may_use(tenant, service.tenant, service.contested)
 
 
 @dataclass(frozen=True)

@@ -426,7 +426,15 @@ class LoRAAdapterSpec(_Model):
         min_length=1,
         max_length=63,
         pattern=LABEL_VALUE_PATTERN,
-        description="the base InferenceService, in the adapter's namespace; it must set spec.engine.lora.enabled",
+        description="the base InferenceService, in serviceNamespace; it must set spec.engine.lora.enabled",
+    )
+    service_namespace: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=LABEL_VALUE_PATTERN,
+        description="the base InferenceService's namespace; unset: the adapter's own. Another namespace must be "
+        "one the adapter's tenant may use: shared (claimed by no Tenant) or its own",
     )
     source: str = Field(
         min_length=1,

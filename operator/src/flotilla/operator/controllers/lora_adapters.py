@@ -1,7 +1,9 @@
 """LoRAAdapter handlers: load each adapter into every ready replica of its base InferenceService, keep it
 there, and unload it when the object goes (docs/lora.md, "In the fleet").
 
-One round (`_round`) reads the base service and its ready pods from the indexes, asks each pod's engine
+One round (`_round`) reads the base service (in spec.serviceNamespace, or the adapter's own namespace;
+another namespace only where the adapter's tenant may use it: desired.sharing_problem) and its ready pods
+from the indexes, asks each pod's engine
 what it serves (GET /v1/models), loads what is missing (or reloads what came from another folder), and
 writes the status desired/lora_adapter.py computes from the answers. A round runs when the object is
 created, changed or found at start-up, and on a timer: that is how a replica that became ready, or an
@@ -23,11 +25,12 @@ from flotilla.contract import engine_token
 from flotilla.operator.api.v1alpha1 import GROUP, LORA_ADAPTER, VERSION
 from flotilla.operator.clients import engine_lora
 from flotilla.operator.controllers import indexes
-from flotilla.operator.controllers.indexes import index_one, plain
+from flotilla.operator.controllers.indexes import index_one, labels_by_namespace, plain, tenant_specs
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.desired import lora_adapter as desired
 from flotilla.operator.desired.lora_adapter import Outcome, Replica, Step, Unload
 from flotilla.operator.desired.validation import describe
+from flotilla.operator.tenancy.rules import owner_of
 
 log = logging.getLogger("flotilla.operator.lora")
 
@@ -48,6 +51,16 @@ def _lock(rt: Runtime, key: tuple[str, str]) -> threading.Lock:
 def _replicas(kwargs: dict, namespace: str, service: str) -> list[Replica]:
     store = indexes.of(kwargs)["pods"].get((namespace, service))
     return desired.ready_replicas(list(store) if store is not None else [])
+
+
+def _sharing(kwargs: dict, namespace: str, base_ns: str) -> tuple[str, str] | None:
+    """Why the adapter's tenant may not use a base in `base_ns` (None: it may), from the operator's indexes
+    of Tenants and namespaces (flotilla.ownership's rule)."""
+    if base_ns == namespace:
+        return None
+    found = indexes.of(kwargs)
+    specs, labels = tenant_specs(found["tenants"]), labels_by_namespace(found["namespace_labels"])
+    return desired.sharing_problem(owner_of(namespace, specs, labels), owner_of(base_ns, specs, labels))
 
 
 def _token(rt: Runtime, namespace: str) -> str | None:
@@ -84,6 +97,21 @@ def _converge(name: str, path: str, replica: Replica, token: str | None) -> Outc
     return outcome
 
 
+def _evict(name: str, replica: Replica, token: str | None) -> None:
+    """Unloads `name` from the replica if its engine serves it (best effort: an engine that refuses, 409
+    while requests use it, is asked again next round)."""
+    _code, listing = engine_lora.list_models(replica.url)
+    if listing is not None and name in desired.served_adapters(listing):
+        code, text = engine_lora.unload(replica.url, name, token=token)
+        log.info(
+            "LoRA adapter %s: its base may no longer be used; unload from %s: %d %s",
+            name,
+            replica.pod,
+            code,
+            text,
+        )
+
+
 def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
@@ -92,18 +120,25 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
     with _lock(rt, (namespace, name)):
         spec, problems = desired.check(body.get("spec") or {})
         invalid = describe(problems) if problems else None
-        blocked, outcomes, ready = None, {}, 0
+        blocked, outcomes, ready, served = None, {}, 0, name
         if spec is not None and invalid is None:
             path = desired.adapter_path(spec.source)
-            base = index_one(indexes.of(kwargs)["services"], (namespace, spec.inference_service))
-            blocked = desired.base_problem(name, namespace, spec.inference_service, base, path)
+            base_ns = desired.base_namespace(namespace, spec)
+            served = desired.served_name(name, namespace, base_ns)
+            base = index_one(indexes.of(kwargs)["services"], (base_ns, spec.inference_service))
+            blocked = _sharing(kwargs, namespace, base_ns)
+            if blocked is not None:
+                # A base the tenant may no longer use (its namespace changed owner): its engines let go.
+                for replica in _replicas(kwargs, base_ns, spec.inference_service):
+                    _evict(served, replica, _token(rt, base_ns))
+            blocked = blocked or desired.base_problem(served, base_ns, spec.inference_service, base, path)
             if blocked is None:
-                replicas = _replicas(kwargs, namespace, spec.inference_service)
+                replicas = _replicas(kwargs, base_ns, spec.inference_service)
                 ready = len(replicas)
-                outcomes = {r.pod: _converge(name, path, r, _token(rt, namespace)) for r in replicas}
+                outcomes = {r.pod: _converge(served, path, r, _token(rt, base_ns)) for r in replicas}
         previous = cast(dict, plain(body.get("status") or {}))
         new = desired.status(
-            name=name,
+            name=served,
             generation=meta.get("generation"),
             invalid=invalid,
             blocked=blocked,
@@ -123,14 +158,22 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
 def reconcile(body: kopf.Body, old, patch: kopf.Patch, memo: kopf.Memo, **kwargs) -> None:
     rt: Runtime = memo.runtime
     new_body = cast(dict, plain(body))
-    moved_from = ((old or {}).get("spec") or {}).get("inferenceService")
-    if moved_from and moved_from != (new_body.get("spec") or {}).get("inferenceService"):
+    namespace, name = new_body["metadata"]["namespace"], new_body["metadata"]["name"]
+    before, after = _base(namespace, (old or {}).get("spec")), _base(namespace, new_body.get("spec"))
+    if before is not None and before != after:
         # The adapter moved to another base service: the old one's replicas let it go (best effort; an
         # engine that still holds it serves it under a name no object owns until it restarts).
-        namespace, name = new_body["metadata"]["namespace"], new_body["metadata"]["name"]
-        for replica in _replicas(kwargs, namespace, moved_from):
-            engine_lora.unload(replica.url, name, token=_token(rt, namespace))
+        base_ns, service = before
+        served = desired.served_name(name, namespace, base_ns)
+        for replica in _replicas(kwargs, base_ns, service):
+            engine_lora.unload(replica.url, served, token=_token(rt, base_ns))
     _round(rt, new_body, patch, kwargs)
+
+
+def _base(namespace: str, spec: dict | None) -> tuple[str, str] | None:
+    """(the base's namespace, its name) as a spec names them; None without one."""
+    service = (spec or {}).get("inferenceService")
+    return ((spec or {}).get("serviceNamespace") or namespace, service) if service else None
 
 
 @kopf.timer(*LORA, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
@@ -148,9 +191,11 @@ def unload(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs) -> None:
         return  # never loaded anywhere
     pending = []
     rt: Runtime = memo.runtime
+    base_ns = desired.base_namespace(namespace, spec)
+    served = desired.served_name(name, namespace, base_ns)
     with _lock(rt, (namespace, name)):
-        for replica in _replicas(kwargs, namespace, spec.inference_service):
-            code, text = engine_lora.unload(replica.url, name, token=_token(rt, namespace))
+        for replica in _replicas(kwargs, base_ns, spec.inference_service):
+            code, text = engine_lora.unload(replica.url, served, token=_token(rt, base_ns))
             outcome = desired.unload_outcome(code)
             if outcome is Unload.RETRY:
                 pending.append(f"{replica.pod} ({code or 'no answer'}: {text.strip()[:200]})")

@@ -51,11 +51,12 @@ from flotilla.operator.tenancy.metering import (
     metered_end,
     parse_time,
     pod_gpus,
+    shared_adapter_counters,
     span_of,
     usage_views,
 )
 from flotilla.operator.tenancy.metering_metrics import TENANTS
-from flotilla.operator.tenancy.rules import contested, namespaces_owned, tenant_of
+from flotilla.operator.tenancy.rules import contested, namespaces_owned, owner_of, tenant_of
 from flotilla.ownership import Owner
 
 log = logging.getLogger("flotilla.operator.tenancy.rules")
@@ -197,6 +198,11 @@ def pod_removed(event: dict, body: kopf.Body, memo: kopf.Memo, gpu_nodes: kopf.I
 # Per Tenant
 
 
+def _shared(namespace: str, tenants: dict, labels: dict) -> bool:
+    """A namespace no Tenant claims (its services are every tenant's: flotilla.ownership)."""
+    return not owner_of(namespace, tenants, labels).claimants
+
+
 def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     """One metering round: read the Tenant, add (lastMeteredTime, now], write it back conditionally."""
     custom = rt.kube.custom
@@ -226,18 +232,34 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     live = {p["metadata"]["uid"] for p in pods}
     counters = read_token_counters(pods)
     added, token_counters = count_tokens(ledger.token_counters, {u: c.total for u, c in counters.items()})
+    # The tenant's adapters on shared base services (namespaces no Tenant claims), served there as
+    # `namespace/name`: read from those engines, counted per adapter and in the tenant's tokens.
+    shared_pods = [
+        p for ns, store in kwargs["gpu_pods"].items() if ns not in mine and _shared(ns, tenants, labels) for p in store
+    ]  # fmt: skip
+    shared = shared_adapter_counters(
+        {u: c.adapters for u, c in read_token_counters(shared_pods).items()}, mine
+    )
+    shared_uids = {p["metadata"]["uid"] for p in shared_pods}
+    added_shared, _ = count_adapter_tokens(
+        {u: c for u, c in ledger.adapter_counters.items() if u in shared_uids}, shared, {}
+    )
     added_by_adapter, adapter_counters = count_adapter_tokens(
         ledger.adapter_counters,
-        {u: c.adapters for u, c in counters.items()},
-        {p["metadata"]["uid"]: p["metadata"]["namespace"] for p in pods},
+        {**{u: c.adapters for u, c in counters.items()}, **shared},
+        {p["metadata"]["uid"]: p["metadata"]["namespace"] for p in [*pods, *shared_pods]},
     )
     ledger = ledger.model_copy(
         update={
             "token_counters": {uid: c for uid, c in token_counters.items() if uid in live},
-            "adapter_counters": {uid: c for uid, c in adapter_counters.items() if uid in live and c},
+            "adapter_counters": {
+                uid: c for uid, c in adapter_counters.items() if (uid in live or uid in shared_uids) and c
+            },
         }
     )
-    tokens = TokenCount(input=status.tokens.input + added.input, output=status.tokens.output + added.output)
+    added_in = added.input + sum(t.input for t in added_shared.values())
+    added_out = added.output + sum(t.output for t in added_shared.values())
+    tokens = TokenCount(input=status.tokens.input + added_in, output=status.tokens.output + added_out)
 
     allocated: dict[str, int] = {}
     for span in spans.values():

@@ -13,6 +13,7 @@ tenant, on any replicas, serialize on that write; the loser reads again and deci
   left to the reconciler: the world changes (a node joins, a volume is filled) and the reconciler
   re-checks them when it does, while admission is asked once.
 - LoRAAdapters are refused when their spec is invalid (desired.lora_adapter.check: the source's scheme),
+  when their base is in a namespace the adapter's tenant may not use (desired.lora_adapter.sharing_problem),
   and, on create, past their Tenant's spec.maxLoRAAdapters (tenancy.lora_limit). The count reads the
   stored adapters; two creates reviewed at the same moment may both pass (no reservation is kept for
   adapters, unlike GPU quota), so the limit can be passed by the number of concurrent creates.
@@ -120,14 +121,23 @@ def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, **_) ->
     spec_raw = body.get("spec") or {}
     if old and (old.get("spec") or {}) == spec_raw:
         return  # the operator's own writes (finalizers, annotations, status)
-    _, problems = lora_adapter.check(spec_raw)
-    if problems:
+    spec, problems = lora_adapter.check(spec_raw)
+    if problems or spec is None:
         DENIALS.labels("", problems[0].reason).inc()
         raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {describe(problems)}", code=422)
+    ledger: QuotaLedger = memo.admission
+    world = None
+    base_ns = lora_adapter.base_namespace(namespace, spec)
+    if base_ns != namespace:  # a base in another namespace: one the adapter's tenant may use
+        world = ledger.world(services=False)
+        mine = owner_of(namespace, world.tenants, world.labels)
+        refusal = lora_adapter.sharing_problem(mine, owner_of(base_ns, world.tenants, world.labels))
+        if refusal is not None:
+            DENIALS.labels(mine.tenant or "", refusal[0]).inc()
+            raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {refusal[1]}", code=403)
     if old:
         return  # the limit counts objects: only a create adds one
-    ledger: QuotaLedger = memo.admission
-    world = ledger.world(services=False)
+    world = world or ledger.world(services=False)
     tenant = owner_of(namespace, world.tenants, world.labels).tenant
     limit = world.tenants[tenant].max_lora_adapters if tenant in world.tenants else None
     if tenant is None or limit is None:

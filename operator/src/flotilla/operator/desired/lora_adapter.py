@@ -3,8 +3,11 @@ replicas and what each replica's engine says it serves (GET /v1/models) to the c
 reload, nothing) and to the adapter's status. No I/O here: controllers/lora_adapters.py makes the calls
 (clients/engine_lora.py) and writes the status this module computes.
 
-The adapter's name in the engine (the `model` requests send) is the object's name: the base service is in
-the same namespace, so two adapters of one engine never share a name.
+The adapter's name in the engine (served_name) is the object's name when the base service is in the
+adapter's namespace, and `namespace/name` when it is in another one (a shared base, where adapters of
+several namespaces meet): either way two adapters of one engine never share a name. Whether an adapter may
+use a base in another namespace is flotilla.ownership.adapter_may_use (the one rule; sharing_problem words
+its refusal for the webhook and the Ready condition alike).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from flotilla import ownership
 from flotilla.contract import engine_base_url
 from flotilla.operator.api.v1alpha1 import (
     LORA_SOURCE_SCHEMES,
@@ -26,6 +30,7 @@ from flotilla.operator.api.v1alpha1 import (
     LoRAAdapterSpec,
 )
 from flotilla.operator.desired.validation import Problem
+from flotilla.ownership import Owner
 
 VALID = "Valid"
 READY = "Ready"
@@ -68,11 +73,49 @@ def check(raw: Mapping) -> tuple[LoRAAdapterSpec | None, list[Problem]]:
     return spec, []
 
 
+def base_namespace(namespace: str, spec: LoRAAdapterSpec) -> str:
+    """The base service's namespace: spec.serviceNamespace, or the adapter's own."""
+    return spec.service_namespace or namespace
+
+
+def served_name(name: str, namespace: str, base_ns: str) -> str:
+    """The adapter's name in its base's engines: the object's name on a base in its own namespace (names
+    are unique there); `namespace/name` on a base in another namespace, where adapters of several
+    namespaces meet ('/' is in no Kubernetes name, so it never equals a same-namespace adapter's name)."""
+    return name if base_ns == namespace else f"{namespace}/{name}"
+
+
+SHARING_RULE = (
+    "an adapter's base service must be in the adapter's own namespace, in a namespace no Tenant claims "
+    "(shared by every tenant), or in another namespace of the adapter's own tenant"
+)
+
+
+def sharing_problem(adapter: Owner, base: Owner) -> tuple[str, str] | None:
+    """Why an adapter in `adapter`'s namespace may not use a base service in `base`'s, as (reason, message)
+    naming the field and its value; None when it may (ownership.adapter_may_use). Never names another
+    tenant."""
+    if ownership.adapter_may_use(adapter, base):
+        return None
+    if adapter.contested:
+        why = (
+            f"the adapter's namespace {adapter.namespace} is claimed by several Tenants, so it has no tenant"
+        )
+    elif base.contested:
+        why = f"namespace {base.namespace} is claimed by several Tenants, so nobody may use its services"
+    elif adapter.tenant is None:
+        why = f"namespace {base.namespace} belongs to a tenant, and the adapter's namespace {adapter.namespace} to none"
+    else:
+        why = f"namespace {base.namespace} does not belong to tenant {adapter.tenant}, nor is it shared"
+    return "BaseNotShared", f"spec.serviceNamespace {base.namespace!r}: {why}; {SHARING_RULE}"
+
+
 def base_problem(
     name: str, namespace: str, service: str, base: Mapping | None, path: str
 ) -> tuple[str, str] | None:
-    """Why the base service cannot take the adapter from `path`, as (reason, message); None when it can. Its
-    replicas see only the node folder its spec.engine.lora.adapterDir mounts, so the path must lie under it."""
+    """Why the base service `namespace/service` cannot take the adapter (`name`: its served name) from
+    `path`, as (reason, message); None when it can. Its replicas see only the node folder its
+    spec.engine.lora.adapterDir mounts, so the path must lie under it."""
     if base is None:
         return "BaseServiceNotFound", f"InferenceService {namespace}/{service} does not exist"
     try:

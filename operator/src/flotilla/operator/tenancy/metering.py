@@ -210,8 +210,9 @@ def count_adapter_tokens(
     namespace_of: Mapping[str, str],
 ) -> tuple[dict[str, TokenCount], dict[str, dict[str, TokenCount]]]:
     """Tokens served per LoRA adapter since the last read, keyed namespace/name (the engine serves an
-    adapter under its LoRAAdapter's name, in the pod's namespace), from each pod's per-adapter counters
-    (pod uid -> adapter name -> counters; `namespace_of` is pod uid -> namespace).
+    adapter under its LoRAAdapter's name, in the pod's namespace, or under its `namespace/name` on a base
+    in another namespace: adapter_key), from each pod's per-adapter counters (pod uid -> adapter name ->
+    counters; `namespace_of` is pod uid -> namespace).
 
     As count_tokens does per pod: an adapter first seen counts from zero, a counter that went down (the
     engine restarted, or unloaded and reloaded the adapter) counts from zero again. A pod read this time
@@ -224,12 +225,31 @@ def count_adapter_tokens(
             before = before_pod.get(name, TokenCount())
             more_in = now.input - before.input if now.input >= before.input else now.input
             more_out = now.output - before.output if now.output >= before.output else now.output
-            key = f"{namespace_of.get(uid, UNKNOWN)}/{name}"
+            key = adapter_key(namespace_of.get(uid, UNKNOWN), name)
             sum_ = added.get(key, TokenCount())
             added[key] = TokenCount(input=sum_.input + more_in, output=sum_.output + more_out)
     counters = {uid: dict(a) for uid, a in previous.items()}
     counters.update({uid: dict(a) for uid, a in current.items()})
     return added, counters
+
+
+def adapter_key(pod_namespace: str, name: str) -> str:
+    """The LoRAAdapter (`namespace/name`) an engine in `pod_namespace` serves as `name`: its own namespace's
+    adapter, or, for a name that is itself `namespace/name`, that adapter on a base it shares
+    (flotilla.operator.desired.lora_adapter.served_name)."""
+    return name if "/" in name else f"{pod_namespace}/{name}"
+
+
+def shared_adapter_counters(
+    counters: Mapping[str, Mapping[str, TokenCount]], namespaces: Iterable[str]
+) -> dict[str, dict[str, TokenCount]]:
+    """From pods of shared base services (pod uid -> adapter name -> counters), the counters of the adapters
+    of `namespaces` (a tenant's: those served as `namespace/name` with the namespace among them) only."""
+    mine = set(namespaces)
+    return {
+        uid: {name: c for name, c in adapters.items() if "/" in name and name.partition("/")[0] in mine}
+        for uid, adapters in counters.items()
+    }
 
 
 def adapter_usage(

@@ -328,6 +328,15 @@ def init_trained_model(
 ) -> Path:
     """Copies the cached trained preset into `folder`, training it first (once) if it is not cached."""
     folder = Path(folder)
+    cache = ensure_trained(preset_name, seed=seed, log=log)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in sorted(cache.iterdir()):
+        shutil.copy2(path, folder / path.name)
+    return folder
+
+
+def ensure_trained(preset_name: str, seed: int = 0, log: Callable[[str], None] = _print) -> Path:
+    """The trained preset's cache folder, training it there first (once) if it is not cached."""
     cache = trained_cache_dir(preset_name, seed)
     record_path = cache / TRAINING_RECORD
     if record_path.is_file():
@@ -336,26 +345,32 @@ def init_trained_model(
             f"{preset_name}: cached in {cache} (trained in {record['seconds']:.0f}s: train loss "
             f"{record['train_loss']:.3f}, held-out loss {record['held_out_loss']:.3f})"
         )
-    else:
-        log(f"{preset_name}: not cached yet; training it once, into {cache}")
-        partial = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        return cache
+    log(f"{preset_name}: not cached yet; training it once, into {cache}")
+    return build_once(cache, lambda partial: train_preset(preset_name, partial, seed=seed, log=log))
+
+
+def build_once(cache: Path, build: Callable[[Path], object]) -> Path:
+    """Makes the cache folder `cache` with `build` (which writes a complete folder, TRAINING_RECORD last)
+    into a partial folder of this process's own, then renames it into place: complete folders only appear
+    by rename, so a process that dies mid-way leaves no folder that looks complete, and of two processes
+    building at once the first rename wins."""
+    record_path = cache / TRAINING_RECORD
+    partial = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        build(partial)
+        if cache.exists() and not record_path.is_file():
+            shutil.rmtree(cache)  # an incomplete leftover
         try:
-            train_preset(preset_name, partial, seed=seed, log=log)
-            if cache.exists() and not record_path.is_file():
-                shutil.rmtree(cache)  # an incomplete leftover; complete folders only appear by rename
-            try:
-                partial.rename(cache)
-            except OSError:
-                if not record_path.is_file():  # another process did not finish it first
-                    raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    for path in sorted(cache.iterdir()):
-        shutil.copy2(path, folder / path.name)
-    return folder
+            partial.rename(cache)
+        except OSError:
+            if not record_path.is_file():  # another process did not finish it first
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return cache
 
 
 def train_preset(preset_name: str, folder: Path, seed: int = 0, log: Callable[[str], None] = _print) -> dict:
