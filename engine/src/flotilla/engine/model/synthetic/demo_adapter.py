@@ -138,18 +138,19 @@ def train_adapter(
     name: str, base: Path, folder: Path, seed: int = 0, log: Callable[[str], None] = presets._print
 ) -> dict:
     """Trains the adapter over the preset folder `base` into `folder` (a PEFT folder plus training.json)."""
+    from tokenizers import Tokenizer
+
     from flotilla.engine.model.synthetic import lora_train, train
-    from flotilla.engine.text.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     preset = ADAPTER_PRESETS[name]
     spec = train.TrainSpec.from_dict(preset["training"])
     shape = lora_train.LoRAShape.from_dict(preset["lora"])
-    tok = load_tokenizer(base)
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))  # the model layer reads it as the presets do
     config = json.loads((base / "config.json").read_text())
     bos, eos = config["bos_token_id"], config["eos_token_id"]
     streams = [
-        train.pack([tok.encode(text, add_special_tokens=False) for text in texts], bos, eos)
+        train.pack([e.ids for e in tok.encode_batch(texts, add_special_tokens=False)], bos, eos)
         for texts in (runbooks(seed, spec.documents), held_out_runbooks(seed, spec.held_out_documents))
     ]
     wrapped, result = lora_train.train_lora(base, shape, spec, streams[0], streams[1], seed=seed, log=log)
