@@ -233,7 +233,11 @@ def test_an_archive_source_is_fetched_by_the_replicas_engine(
     (pod,) = wait_for(lambda: _ready_pods(cluster, namespace), 300, "the base service's ready replica")
     name = pod["metadata"]["name"]
     endpoint = f"http://{pod['status']['podIP']}:8000/v1"
-    obj = wait_for(lambda: _loaded_in(cluster, namespace, name), 120, f"{ADAPTER} Loaded in {name}")
+    try:
+        obj = wait_for(lambda: _loaded_in(cluster, namespace, name), 120, f"{ADAPTER} Loaded in {name}")
+    except AssertionError as exc:  # say why: the replicas' status carries the engine's refusal
+        status = (_get(cluster, "loraadapter", ADAPTER, namespace) or {}).get("status")
+        raise AssertionError(f"{exc}; status: {status}; the archive server was asked for {asked}") from None
     assert obj["status"]["replicas"][0]["message"] == f"loaded from {uri}"
     assert _served(endpoint) == {ADAPTER: uri}
     assert asked == ["/sql.tar.gz"]  # fetched once; the operator's later rounds find it loaded
