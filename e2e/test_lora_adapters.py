@@ -2,14 +2,20 @@
 adapter into the ready replica of its base InferenceService (the real engine, CPU, a random-weight tiny
 model), the replica serves `model: <adapter>`, a replica that replaces a deleted pod gets the adapter
 again, so does an engine that lost it while the operator was down, and deleting the adapter unloads it. A
-source the operator cannot read is refused in status."""
+source no engine can load is refused in status; an http(s) archive source is fetched by the replica's
+engine itself."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import tarfile
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -131,12 +137,12 @@ def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
     cluster.apply(yaml.safe_dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace)
 
     # A source the operator cannot read is refused in status, naming the field and what is accepted.
-    cluster.apply(_adapter("remote", "hf://org/adapter"), namespace)
+    cluster.apply(_adapter("remote", "pvc://claim/adapter"), namespace)
     valid = wait_for(
         lambda: _conditions(_get(cluster, "loraadapter", "remote", namespace)).get("Valid"), 60, "Valid"
     )
     assert valid["status"] == "False" and "spec.source" in valid["message"], valid
-    assert "hf://org/adapter" in valid["message"] and "file:///" in valid["message"], valid
+    assert "pvc://claim/adapter" in valid["message"] and "file:///" in valid["message"], valid
 
     # Applied before the base is ready: it waits (Ready False), then loads when the replica is.
     cluster.apply(_adapter(ADAPTER, f"file://{adapter_dir}"), namespace)
@@ -181,3 +187,58 @@ def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
     with pytest.raises(urllib.error.HTTPError) as refused:
         complete(new_endpoint, model=ADAPTER)
     assert refused.value.code == 404
+
+
+@pytest.fixture
+def archive_server(adapter_dir: Path) -> Iterator[tuple[str, list[str]]]:
+    """A loopback HTTP server with one tar.gz of the adapter folder: its URL (with #sha256=), and the paths
+    it was asked for. The local cluster's pods share the host's network (their IPs are loopback aliases), so
+    an engine pod reaches it."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(adapter_dir, arcname="sql-adapter")
+    content, asked = buffer.getvalue(), []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            found = self.path == "/sql.tar.gz"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(content) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(content)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 -- the base class's name
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    sha = hashlib.sha256(content).hexdigest()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/sql.tar.gz#sha256={sha}", asked
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+def test_an_archive_source_is_fetched_by_the_replicas_engine(
+    cluster, operator, cleaned, tiny_llama, archive_server
+):
+    """No adapterDir: the operator sends the URI, and the engine in the pod downloads it into its cache."""
+    namespace, (uri, asked) = cleaned, archive_server
+    engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": {"enabled": True, "maxLoraRank": 16}}
+    cluster.apply(yaml.safe_dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace)
+    cluster.apply(_adapter(ADAPTER, uri), namespace)
+    (pod,) = wait_for(lambda: _ready_pods(cluster, namespace), 300, "the base service's ready replica")
+    name = pod["metadata"]["name"]
+    endpoint = f"http://{pod['status']['podIP']}:8000/v1"
+    try:
+        obj = wait_for(lambda: _loaded_in(cluster, namespace, name), 120, f"{ADAPTER} Loaded in {name}")
+    except AssertionError as exc:  # say why: the replicas' status carries the engine's refusal
+        status = (_get(cluster, "loraadapter", ADAPTER, namespace) or {}).get("status")
+        raise AssertionError(f"{exc}; status: {status}; the archive server was asked for {asked}") from None
+    assert obj["status"]["replicas"][0]["message"] == f"loaded from {uri}"
+    assert _served(endpoint) == {ADAPTER: uri}
+    assert asked == ["/sql.tar.gz"]  # fetched once; the operator's later rounds find it loaded
+    assert complete(endpoint, model=ADAPTER)["model"] == ADAPTER

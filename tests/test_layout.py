@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flotilla import contract, disconnect, openai_errors, ownership, quantity, timestamps
+from flotilla import contract, disconnect, fetch_uri, openai_errors, ownership, quantity, timestamps
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = [
@@ -162,7 +162,7 @@ print(len({names!r}))
     assert int(result.stdout) == len(names) > 50
 
 
-SHARED = [contract, ownership, openai_errors, quantity, timestamps, disconnect]
+SHARED = [contract, ownership, openai_errors, quantity, timestamps, disconnect, fetch_uri]
 
 
 @pytest.mark.parametrize("module", SHARED, ids=[m.__name__.rpartition(".")[2] for m in SHARED])

@@ -702,6 +702,13 @@ ENGINE_KNOBS: dict[str, Knob] = _declare(
         parse=parse_positive_count,
         crd="lora.maxCpuLoras",
     ),
+    Knob(
+        name="lora_cache_dir",
+        flag="--lora-cache-dir",
+        help="where an adapter loaded from an hf:// or http(s):// URI (a lora_path, or a {lora_modules} path) "
+        "is fetched to, one folder per URI, kept for the process's life (default: ~/.cache/flotilla/"
+        "lora-adapters)",
+    ),
 )
 # The knobs the operator sets (EngineArgs'), and those an InferenceService field sets.
 OPERATOR_KNOBS = {name: knob for name, knob in ENGINE_KNOBS.items() if knob.operator_sets}
@@ -728,6 +735,7 @@ FLAG_LORA_MODULES = ENGINE_KNOBS["lora_modules"].flag
 FLAG_MAX_LORAS = ENGINE_KNOBS["max_loras"].flag
 FLAG_MAX_LORA_RANK = ENGINE_KNOBS["max_lora_rank"].flag
 FLAG_MAX_CPU_LORAS = ENGINE_KNOBS["max_cpu_loras"].flag
+FLAG_LORA_CACHE_DIR = ENGINE_KNOBS["lora_cache_dir"].flag
 
 
 class EngineArgs:

@@ -22,15 +22,41 @@ def test_a_file_source_is_its_normalized_absolute_path() -> None:
     assert d.adapter_path("file:///a/./b//c") == "/a/b/c"
 
 
+SHA = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "hf://org/adapter",
+        "hf://org/adapter@v1.0",
+        "https://host/adapters/sql.tar.gz",
+        f"http://host:8080/sql.tgz#sha256={SHA}",
+        "https://bucket.host/sql.tar?X-Amz-Signature=secret",
+    ],
+)
+def test_hub_and_archive_sources_go_to_the_engine_as_written(source) -> None:
+    """The engine fetches them itself (lora/source.py); the operator checks them with the same parser."""
+    assert d.adapter_path(source) == source and d.is_fetched(source)
+    assert not d.is_fetched(d.adapter_path("file:///adapters/sql"))
+
+
 @pytest.mark.parametrize(
     ("source", "words"),
     [
-        ("hf://org/adapter", "scheme 'hf' is not supported"),
-        ("pvc://claim/adapters/sql", "scheme 'pvc' is not supported"),
-        ("https://host/a.tar.gz", "scheme 'https' is not supported"),
+        (
+            "pvc://claim/adapters/sql",
+            "scheme 'pvc' is not supported: a pvc source would need the claim mounted",
+        ),
+        ("s3://bucket/sql", "scheme 's3' is not supported"),
         ("/adapters/sql", "no scheme is not supported"),
         ("file://host/adapters/sql", "not a file URI of an absolute path"),
         ("file:relative/sql", "not a file URI of an absolute path"),
+        ("hf://just-a-name", "expected hf://org/name[@revision]"),
+        ("hf://org/name@", "empty revision"),
+        ("https://host/adapters/sql.zip", "must name a .tar.gz, .tgz or .tar archive"),
+        ("https://host/sql.tar.gz#md5=00", "the only fragment understood is #sha256="),
+        ("https:///sql.tar.gz", "the URL has no host"),
     ],
 )
 def test_other_sources_are_refused_naming_the_field_the_value_and_what_is_accepted(source, words) -> None:
@@ -38,7 +64,16 @@ def test_other_sources_are_refused_naming_the_field_the_value_and_what_is_accept
         d.adapter_path(source)
     message = str(refused.value)
     assert message.startswith(f"spec.source {source!r}: ") and words in message
-    assert "file:///absolute/path" in message and "later work" in message
+    assert "file:///absolute/path" in message and "hf://org/name[@revision]" in message
+    assert "http(s)://…/adapter.tar.gz" in message
+
+
+def test_a_refusal_never_shows_a_password_or_a_query() -> None:
+    with pytest.raises(ValueError) as refused:
+        d.adapter_path("https://user:hunter2@host/sql.tar.gz?sig=secret")
+    message = str(refused.value)
+    assert "credentials in the URL are not supported" in message
+    assert "hunter2" not in message and "secret" not in message and "user:***@host" in message
 
 
 def test_check_words_problems_for_the_webhook_and_the_valid_condition() -> None:
@@ -74,6 +109,38 @@ def test_the_base_must_exist_serve_adapters_from_a_folder_holding_the_source_und
         assert reason == "SourceOutsideAdapterDir" and outside in message and "/adapters" in message
     assert d.base_problem("tiny", "ns", "base", _base(ON, served="tiny"), path)[0] == "NameTaken"
     assert d.base_problem("base", "ns", "base", _base(ON), path)[0] == "NameTaken"
+
+
+def test_a_fetched_source_needs_no_adapter_dir_but_lora_and_its_own_name() -> None:
+    """Each replica's engine fetches an hf:// or http(s) source into its own cache: no node folder."""
+    for uri in ("hf://org/sql", "https://host/sql.tar.gz"):
+        assert d.base_problem("sql", "ns", "base", _base({"enabled": True}), uri) is None
+        assert d.base_problem("sql", "ns", "base", _base(ON), uri) is None
+        assert d.base_problem("sql", "ns", "base", _base({"enabled": False}), uri)[0] == "LoRANotEnabled"
+        assert d.base_problem("tiny", "ns", "base", _base(ON, served="tiny"), uri)[0] == "NameTaken"
+
+
+def test_an_engine_serving_a_fetched_source_shows_it_without_secrets_and_a_round_compares_that() -> None:
+    """The engine's /v1/models root of a fetched adapter is the URI without its query (a presigned URL's
+    signature): the operator compares the same form, so a loaded adapter is not reloaded every round, and
+    its status never shows the signature."""
+    uri = "https://bucket.host/sql.tar.gz?X-Amz-Signature=secret"
+    shown = "https://bucket.host/sql.tar.gz?…"
+    listing = {
+        "data": [
+            {"id": "sql", "root": shown, "parent": "tiny"},
+            {"id": "hub", "root": "hf://o/n@v1", "parent": "tiny"},
+        ]
+    }
+    served = d.served_adapters(listing)
+    assert served == {"sql": shown, "hub": "hf://o/n@v1"}  # URIs are not normalized as paths
+    assert d.step("sql", uri, served) is d.Step.NOTHING
+    assert d.step("hub", "hf://o/n@v1", served) is d.Step.NOTHING
+    assert d.step("hub", "hf://o/n@v2", served) is d.Step.RELOAD
+    loaded = d.load_outcome(200, "Success", None, "sql", uri)
+    raced = d.load_outcome(400, "already loaded", served, "sql", uri)
+    assert loaded == raced == d.Outcome(d.LOADED, "Loaded", f"loaded from {shown}")
+    assert "secret" not in loaded.message
 
 
 def test_adapter_dir_is_mounted_read_only_at_its_own_path(make_spec, owner, decision, config) -> None:

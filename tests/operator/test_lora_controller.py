@@ -10,6 +10,7 @@ import kopf
 import pytest
 
 from flotilla.contract import engine_token
+from flotilla.fetch_uri import redact_uri
 from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.clients.quota_ledger import World
 from flotilla.operator.config import OperatorConfig
@@ -52,7 +53,7 @@ def engines(monkeypatch) -> dict[str, FakeEngine]:
             return e.load_code, "refused"
         if name in e.served:
             return 400, "already loaded"
-        e.served[name] = path
+        e.served[name] = redact_uri(path) if "://" in path else path  # as the engine shows a fetched one
         return 200, "Success"
 
     def unload(url, name, token=None):
@@ -129,6 +130,20 @@ def test_a_restarted_engine_or_a_new_replica_gets_it_again_and_a_changed_source_
     assert engines.of("http://127.7.0.2:8000/v1").calls[-2:] == [("unload", NAME), ("load", NAME)]
 
 
+def test_a_presigned_archive_source_loads_once_and_its_signature_shows_nowhere(engines) -> None:
+    """The engine shows a fetched adapter's URI without its query; the round compares that form, so the
+    second round finds it loaded (no reload loop), and the status never carries the signature."""
+    source = "https://bucket.host/sql.tar.gz?X-Amz-Signature=secret"
+    memo, pods = _memo(), [_pod("p0", "127.7.0.1")]
+    indexes = _indexes(pods)
+    indexes["services"][(NS, BASE)][0]["spec"]["engine"]["lora"].pop("adapterDir")  # none needed
+    status = _round(memo, _body(source), indexes)
+    assert [(r["pod"], r["phase"]) for r in status["replicas"]] == [("p0", "Loaded")]
+    assert _round(memo, _body(source, status), indexes) == {}  # converged: no call, no write
+    assert engines.of("http://127.7.0.1:8000/v1").calls == [("load", NAME)]
+    assert "secret" not in str(status)
+
+
 def test_a_refused_load_is_failed_and_a_base_without_lora_is_not_asked(engines) -> None:
     memo = _memo()
     engines.of("http://127.7.0.1:8000/v1").load_code = 400
@@ -182,10 +197,16 @@ def _admit(
 
 def test_the_webhook_refuses_a_bad_source_and_an_adapter_past_the_tenants_limit() -> None:
     with pytest.raises(
-        kopf.AdmissionError, match="spec.source: 'hf://org/x': scheme 'hf' is not supported"
+        kopf.AdmissionError, match="spec.source: 's3://bucket/x': scheme 's3' is not supported"
     ) as refused:
-        _admit(_webhook_memo(None, []), source="hf://org/x")
+        _admit(_webhook_memo(None, []), source="s3://bucket/x")
     assert refused.value.code == 422
+    with pytest.raises(
+        kopf.AdmissionError, match="spec.source: 'pvc://claim/x': scheme 'pvc' is not supported"
+    ):
+        _admit(_webhook_memo(None, []), source="pvc://claim/x")
+    _admit(_webhook_memo(None, []), source="hf://org/x@v1")  # the engine fetches these
+    _admit(_webhook_memo(None, []), source="https://host/x.tar.gz")
     memo = _webhook_memo(2, [(NS, "one"), (NS, "two"), ("team-b", "other")])
     with pytest.raises(kopf.AdmissionError, match="tenant acme: .* maxLoRAAdapters is 2") as refused:
         _admit(memo)

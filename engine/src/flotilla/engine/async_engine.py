@@ -134,8 +134,14 @@ class AsyncEngine:
         return [] if loras is None else [(name, a.path) for name, a in list(loras.adapters.items())]
 
     async def load_lora(self, name: str, path: str) -> None:
-        """Reads, checks and registers an adapter (a LoRAError says why not; nothing is registered)."""
-        await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.load_lora, name, path)
+        """Reads, checks and registers an adapter (a LoRAError says why not; nothing is registered). A `path`
+        that is a URI is fetched first on a thread of its own (lora/source.py), so that steps go on meanwhile;
+        the engine's thread then reads the fetched folder."""
+        loop = asyncio.get_running_loop()
+        if self.engine.loras is not None:
+            self.engine.loras.check_new(name)  # a taken name or a full registry costs no download
+            await loop.run_in_executor(None, self.engine.lora_sources.resolve, path)
+        await loop.run_in_executor(self._thread, self.engine.load_lora, name, path)
 
     async def unload_lora(self, name: str) -> None:
         """Unregisters an adapter that no request uses, queued ones included (LoRAInUse otherwise)."""

@@ -79,12 +79,14 @@ class EngineConfig:
     enforce_eager: bool = knob_default("enforce_eager")
     cuda_graph_sizes: list[int] | None = knob_default("cuda_graph_sizes")
     # LoRA adapters (lora/): served when enable_lora (lora_modules implies it), at most max_loras in one
-    # batch (device slots), ranks up to max_lora_rank, at most max_cpu_loras loaded in host memory.
+    # batch (device slots), ranks up to max_lora_rank, at most max_cpu_loras loaded in host memory; adapters
+    # named by an hf:// or http(s):// URI are fetched into lora_cache_dir (lora/source.py).
     enable_lora: bool = knob_default("enable_lora")
     lora_modules: dict[str, str] = knob_default("lora_modules")
     max_loras: int = knob_default("max_loras")
     max_lora_rank: int = knob_default("max_lora_rank")
     max_cpu_loras: int = knob_default("max_cpu_loras")
+    lora_cache_dir: str | None = knob_default("lora_cache_dir")  # None: ~/.cache/flotilla/lora-adapters
 
     def __post_init__(self) -> None:
         self._check_speculation()

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from flotilla.contract import FLAG_ENABLE_LORA, root_block_hash
 from flotilla.engine.config import EngineConfig
@@ -34,6 +35,7 @@ from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.sampling_params import SamplingParams
 from flotilla.engine.core.scheduler import Scheduler, SchedulerConfig
 from flotilla.engine.lora.errors import LoRAError, LoRAInUse, UnknownLoRA
+from flotilla.engine.lora.source import AdapterSources
 from flotilla.engine.text.output_processor import OutputProcessor
 from flotilla.engine.worker.model_files import ModelFiles
 
@@ -81,6 +83,8 @@ class LLMEngine:
         # LoRA adapters in host memory (None: --enable-lora is off); the runner owns them with the slots.
         self.loras = self.runner.loras
         self.lora_stats: dict[str, LoRAStats] = {}
+        # Where a lora_path that is an hf:// or http(s):// URI is fetched to (lora/source.py).
+        self.lora_sources = AdapterSources(Path(config.lora_cache_dir) if config.lora_cache_dir else None)
         for name, path in config.lora_modules.items():
             self.load_lora(name, path)
 
@@ -186,11 +190,12 @@ class LLMEngine:
             raise UnknownLoRA(lora_name)
 
     def load_lora(self, name: str, path: str) -> None:
-        """Reads, checks and registers a PEFT adapter folder; a LoRAError says why not, and registers
-        nothing."""
+        """Reads, checks and registers a PEFT adapter folder (`path` a folder, or a URI fetched first:
+        lora/source.py); a LoRAError says why not, and registers nothing."""
         if self.loras is None:
             raise LoRAError(f"cannot load {name!r}: {FLAG_ENABLE_LORA} is off", "lora_name")
-        self.loras.load(name, path)
+        self.loras.check_new(name)  # before a fetch: a taken name costs no download
+        self.loras.load(name, self.lora_sources.resolve(path))
         self.lora_stats[name] = LoRAStats()
 
     def lora_users(self, name: str) -> int:

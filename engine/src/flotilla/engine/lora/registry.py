@@ -12,6 +12,7 @@ import torch
 from flotilla.contract import FLAG_MAX_CPU_LORAS
 from flotilla.engine.lora.adapter import LoRAAdapter, load_adapter
 from flotilla.engine.lora.errors import LoRAError
+from flotilla.engine.lora.source import AdapterSource
 from flotilla.engine.model.config import ModelConfig
 
 
@@ -53,9 +54,20 @@ class LoRARegistry:
                 "lora_name",
             )
 
-    def load(self, name: str, path: str) -> LoRAAdapter:
+    def load(self, name: str, source: AdapterSource) -> LoRAAdapter:
+        """Reads and checks the folder `source` resolved to, then registers it; its `path` is what the engine
+        shows (the folder, or the URI it was fetched from, without secrets)."""
         self.check_new(name)
-        adapter = load_adapter(name, path, self.base, self.max_rank, self.dtype)
+        try:
+            adapter = load_adapter(name, source.folder, self.base, self.max_rank, self.dtype)
+        except LoRAError as exc:
+            if not source.fetched:
+                raise
+            # The message names the cache folder's files: say which lora_path they came from.
+            raise LoRAError(
+                f"lora_path {source.shown!r} (fetched into {source.folder}): {exc}", exc.field
+            ) from exc
+        adapter.path = source.shown
         self.adapters[name] = adapter
         return adapter
 

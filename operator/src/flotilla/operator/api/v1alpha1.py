@@ -418,7 +418,7 @@ class TenantStatus(_Model):
 # loads into every ready replica of that service (docs/lora.md, "In the fleet").
 
 # The source schemes accepted in this version (desired/lora_adapter.py checks the URI).
-LORA_SOURCE_SCHEMES = ("file",)
+LORA_SOURCE_SCHEMES = ("file", "hf", "http", "https")
 
 
 class LoRAAdapterSpec(_Model):
@@ -440,7 +440,8 @@ class LoRAAdapterSpec(_Model):
         min_length=1,
         max_length=4096,
         description="where the PEFT folder (adapter_config.json, adapter_model.safetensors) is: file:///path, "
-        "a path on the node the engine reads; pvc, hf and http sources are later work",
+        "a folder under the base's spec.engine.lora.adapterDir; or hf://org/name[@revision] or "
+        "http(s)://.../adapter.tar.gz[#sha256=<hex>], which each replica's engine fetches itself",
     )
 
 

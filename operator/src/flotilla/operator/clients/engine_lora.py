@@ -16,7 +16,9 @@ import httpx
 from flotilla.contract import HEADER_INTERNAL_TOKEN
 
 LIST_TIMEOUT = 5.0
-# Loading reads and checks the adapter's whole folder before it answers.
+# Loading reads and checks the adapter's whole folder before it answers; an hf:// or http(s) source's first
+# load also downloads it. A load that outlasts this stays Loading: the engine finishes the fetch into its
+# cache regardless, and a later round's load finds it there.
 LOAD_TIMEOUT = 60.0
 
 

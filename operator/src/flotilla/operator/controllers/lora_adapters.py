@@ -77,7 +77,7 @@ def _converge(name: str, path: str, replica: Replica, token: str | None) -> Outc
     served = desired.served_adapters(listing)
     step = desired.step(name, path, served)
     if step is Step.NOTHING:
-        return Outcome(desired.LOADED, "Loaded", f"loaded from {path}")
+        return Outcome(desired.LOADED, "Loaded", f"loaded from {desired.shown_path(path)}")
     if step is Step.RELOAD:
         code, text = engine_lora.unload(replica.url, name, token=token)
         if desired.unload_outcome(code) is not Unload.DONE:
@@ -93,7 +93,7 @@ def _converge(name: str, path: str, replica: Replica, token: str | None) -> Outc
         after = desired.served_adapters(listing) if listing is not None else None
     outcome = desired.load_outcome(code, text, after, name, path)
     if outcome.phase == desired.LOADED:
-        log.info("LoRA adapter %s loaded into %s from %s", name, replica.pod, path)
+        log.info("LoRA adapter %s loaded into %s from %s", name, replica.pod, desired.shown_path(path))
     return outcome
 
 

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from flotilla import ownership
 from flotilla.contract import engine_base_url
+from flotilla.fetch_uri import FetchError, parse_fetch_uri, redact_uri
 from flotilla.operator.api.v1alpha1 import (
     LORA_SOURCE_SCHEMES,
     AdapterReplica,
@@ -39,19 +40,53 @@ LOADING, LOADED, FAILED = "Loading", "Loaded", "Failed"
 
 
 # -- the spec -------------------------------------------------------------------------------------------------
+SOURCE_ACCEPTED = (
+    "accepted: file:///absolute/path (a folder under the base's spec.engine.lora.adapterDir), "
+    "hf://org/name[@revision], or http(s)://…/adapter.tar.gz (or .tgz, .tar; optional #sha256=<64 hex "
+    "digits>), which each replica's engine fetches itself"
+)
+FETCHED_SCHEMES = ("hf", "http", "https")
+PVC_REFUSAL = (
+    "a pvc source would need the claim mounted in every replica of the base, which the operator does not do "
+    "for adapters: put the adapter in a folder under the base's adapterDir, or publish it as an http(s) "
+    "archive or on the Hub"
+)
+
+
 def adapter_path(source: str) -> str:
-    """The folder a `file:///abs/path` source names, normalized as the engine reports it; ValueError naming
-    the field, the value and what is accepted otherwise."""
-    accepted = (
-        "accepted: file:///absolute/path (a folder on the node); pvc, hf and http sources are later work"
-    )
+    """What the operator sends as lora_path: the folder a `file:///abs/path` source names (normalized as
+    the engine reports it), or an hf:// or http(s):// source as written (the engine fetches it). A
+    ValueError names the field, the value (without secrets) and what is accepted otherwise."""
+    shown = redact_uri(source)
     parts = urlsplit(source)
-    if parts.scheme not in LORA_SOURCE_SCHEMES:
-        scheme = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
-        raise ValueError(f"spec.source {source!r}: {scheme} is not supported; {accepted}")
+    scheme = parts.scheme.lower()
+    if scheme not in LORA_SOURCE_SCHEMES:
+        if scheme == "pvc":
+            raise ValueError(
+                f"spec.source {shown!r}: scheme 'pvc' is not supported: {PVC_REFUSAL}; {SOURCE_ACCEPTED}"
+            )
+        named = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+        raise ValueError(f"spec.source {shown!r}: {named} is not supported; {SOURCE_ACCEPTED}")
+    if scheme in FETCHED_SCHEMES:
+        try:
+            parse_fetch_uri(source)  # the engine's own parser: what it accepts, the webhook accepts
+        except FetchError as exc:
+            raise ValueError(f"spec.source {shown!r}: {exc}; {SOURCE_ACCEPTED}") from None
+        return source
     if parts.netloc or not parts.path.startswith("/") or parts.query or parts.fragment:
-        raise ValueError(f"spec.source {source!r}: not a file URI of an absolute path; {accepted}")
+        raise ValueError(f"spec.source {shown!r}: not a file URI of an absolute path; {SOURCE_ACCEPTED}")
     return posixpath.normpath(parts.path)
+
+
+def is_fetched(path: str) -> bool:
+    """Whether an adapter_path is a URI the engine fetches (not a folder on the node)."""
+    return not path.startswith("/")
+
+
+def shown_path(path: str) -> str:
+    """What an engine reports as the `root` of an adapter loaded from adapter_path `path` (GET /v1/models),
+    and what status messages show: the folder, or the URI without its secrets (a presigned URL's query)."""
+    return redact_uri(path) if is_fetched(path) else path
 
 
 def check(raw: Mapping) -> tuple[LoRAAdapterSpec | None, list[Problem]]:
@@ -128,6 +163,15 @@ def base_problem(
             f"InferenceService {namespace}/{service} does not serve adapters: set its spec.engine.lora.enabled "
             "to true",
         )
+    served = spec.model.served_name or service
+    if served == name:
+        return (
+            "NameTaken",
+            f"the adapter's name {name!r} is the served model name of InferenceService {namespace}/{service}; "
+            "requests could not tell them apart: name the LoRAAdapter otherwise",
+        )
+    if is_fetched(path):
+        return None  # each replica's engine fetches it into its own cache: no node folder is involved
     folder = spec.engine.lora.adapter_dir
     if not folder:
         return (
@@ -141,13 +185,6 @@ def base_problem(
             "SourceOutsideAdapterDir",
             f"spec.source {path} is not under {folder}, the spec.engine.lora.adapterDir of InferenceService "
             f"{namespace}/{service}: its replicas see only that folder",
-        )
-    served = spec.model.served_name or service
-    if served == name:
-        return (
-            "NameTaken",
-            f"the adapter's name {name!r} is the served model name of InferenceService {namespace}/{service}; "
-            "requests could not tell them apart: name the LoRAAdapter otherwise",
         )
     return None
 
@@ -175,12 +212,14 @@ def ready_replicas(pods: Iterable[Mapping]) -> list[Replica]:
 
 
 def served_adapters(models: Mapping) -> dict[str, str]:
-    """GET /v1/models' adapters: name -> folder (entries with a parent are adapters)."""
-    return {
-        m["id"]: posixpath.normpath(str(m.get("root") or ""))
-        for m in models.get("data") or []
-        if isinstance(m, Mapping) and m.get("parent") and m.get("id")
-    }
+    """GET /v1/models' adapters: name -> root, the folder (normalized) or the URI it was fetched from, as
+    the engine shows it (entries with a parent are adapters)."""
+    out = {}
+    for m in models.get("data") or []:
+        if isinstance(m, Mapping) and m.get("parent") and m.get("id"):
+            root = str(m.get("root") or "")
+            out[m["id"]] = root if is_fetched(root) else posixpath.normpath(root)
+    return out
 
 
 class Step(Enum):
@@ -192,7 +231,7 @@ class Step(Enum):
 def step(name: str, path: str, served: Mapping[str, str]) -> Step:
     if name not in served:
         return Step.LOAD
-    return Step.NOTHING if served[name] == path else Step.RELOAD
+    return Step.NOTHING if served[name] == shown_path(path) else Step.RELOAD
 
 
 @dataclass(frozen=True)
@@ -209,10 +248,9 @@ def load_outcome(
 ) -> Outcome:
     """The outcome of POST /v1/load_lora_adapter (code 0: no answer). A 400 may be a load that raced another
     (the name is taken, by this very folder): `served_after` is the listing read after it."""
-    if code == 200:
-        return Outcome(LOADED, "Loaded", f"loaded from {path}")
-    if served_after is not None and served_after.get(name) == path:
-        return Outcome(LOADED, "Loaded", f"loaded from {path}")
+    shown = shown_path(path)
+    if code == 200 or (served_after is not None and served_after.get(name) == shown):
+        return Outcome(LOADED, "Loaded", f"loaded from {shown}")
     if 400 <= code < 500 and code not in (408, 429):
         return Outcome(FAILED, "LoadRefused", f"the engine refused the adapter ({code}): {message}")
     # Unanswered, 5xx, or busy: the engine may be starting or overloaded; the next round tries again.

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from flotilla.engine.model.fetch.archive import download_archive
-from flotilla.engine.model.fetch.destination import install_model
+from flotilla.engine.model.fetch.destination import ADAPTER_FOLDER, MODEL_FOLDER, FolderKind, install_model
 from flotilla.engine.model.fetch.hub import download_from_hub
-from flotilla.engine.model.fetch.uri import (
+from flotilla.fetch_uri import (
     ACCEPTED_URIS,
     ArchiveSource,
     FetchError,
@@ -23,10 +23,14 @@ from flotilla.engine.model.fetch.uri import (
 
 __all__ = [
     "ACCEPTED_URIS",
+    "ADAPTER_FOLDER",
+    "MODEL_FOLDER",
     "ArchiveSource",
     "FetchError",
     "FetchSource",
+    "FolderKind",
     "HubSource",
+    "fetch_folder",
     "fetch_model",
     "parse_fetch_uri",
     "redact_uri",
@@ -40,10 +44,18 @@ def fetch_model(uri: str, dest: Path) -> bool:
     Raises FetchError with a one-line cause; nothing is left beside `dest` when it does.
     """
     source = parse_fetch_uri(uri)  # a bad URI is refused before the filesystem is touched
+    return fetch_folder(source, dest, MODEL_FOLDER)
+
+
+def fetch_folder(source: FetchSource, dest: Path, kind: FolderKind) -> bool:
+    """Fetch the folder `source` names into `dest`, which must then hold `kind`'s marker file (a model's
+    config.json, an adapter's adapter_config.json). Returns False when `dest` already holds one (nothing is
+    downloaded). Raises FetchError; nothing is left beside `dest` when it does. One fetch per `dest` at a
+    time (the caller's to ensure)."""
 
     def download(workspace: Path) -> Path:
         if isinstance(source, HubSource):
             return download_from_hub(source, workspace)
-        return download_archive(source, workspace)
+        return download_archive(source, workspace, kind)
 
-    return install_model(dest, download)
+    return install_model(dest, download, kind)

@@ -12,11 +12,11 @@ import urllib.request
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Protocol
 
-from flotilla.engine.model.fetch.destination import is_model_folder
+from flotilla.engine.model.fetch.destination import MODEL_FOLDER, FolderKind, is_model_folder
 from flotilla.engine.model.fetch.extract import extract_stream
 from flotilla.engine.model.fetch.failures import describe_http_status, describe_network_error
 from flotilla.engine.model.fetch.progress import ByteProgress
-from flotilla.engine.model.fetch.uri import ArchiveSource, FetchError
+from flotilla.fetch_uri import ArchiveSource, FetchError
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -26,10 +26,10 @@ NETWORK_TIMEOUT_S = 60.0
 _READ_CHUNK = 1 << 20
 
 
-def download_archive(source: ArchiveSource, workspace: Path) -> Path:
+def download_archive(source: ArchiveSource, workspace: Path, kind: FolderKind = MODEL_FOLDER) -> Path:
     """Stream the archive into `workspace` (no second copy on disk), hashing and counting as it passes.
 
-    Returns the folder inside `workspace` that should become the model folder.
+    Returns the folder inside `workspace` that should become the model (or adapter: `kind`) folder.
     """
     tree = workspace / "tree"
     tree.mkdir()
@@ -61,7 +61,7 @@ def download_archive(source: ArchiveSource, workspace: Path) -> Path:
             reader.progress.close()
     _check_size(reader.size, expected_size)
     _check_sha256(reader.sha256.hexdigest(), source.sha256)
-    return _model_root_in(tree)
+    return _model_root_in(tree, kind)
 
 
 def _host_of(url: str) -> str:
@@ -115,9 +115,9 @@ class _DigestingReader(io.RawIOBase):
             pass
 
 
-def _model_root_in(tree: Path) -> Path:
+def _model_root_in(tree: Path, kind: FolderKind) -> Path:
     """An archive holds the model folder's files, or one folder that holds them (`tar czf m.tgz my-model/`)."""
-    if is_model_folder(tree):
+    if is_model_folder(tree, kind):
         return tree
     entries = list(tree.iterdir())
     if len(entries) == 1 and entries[0].is_dir() and not entries[0].is_symlink():

@@ -1,4 +1,5 @@
-"""--dest's lifecycle: download into a private workspace beside it, rename into place only a model folder.
+"""--dest's lifecycle: download into a private workspace beside it, rename into place only a whole folder (a
+model folder; an adapter folder when the engine fetches a LoRA adapter: lora/source.py).
 
 A crash, a SIGKILL or a full disk never leaves a half-written folder where the engine looks for its model.
 A rerun is cheap: a complete destination is left alone, and workspaces left by a killed run are removed.
@@ -13,23 +14,36 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.engine.model.fetch.failures import is_disk_full
-from flotilla.engine.model.fetch.uri import FetchError
+from flotilla.fetch_uri import FetchError
 
 Download = Callable[[Path], Path]
 """Downloads into the workspace it is given; returns the folder inside it that should become the model folder."""
 
 
-def is_model_folder(folder: Path) -> bool:
-    return (folder / "config.json").is_file()
+@dataclass(frozen=True)
+class FolderKind:
+    """What a fetched folder must hold to be whole (`marker`, a file at its top), and what messages call it."""
+
+    marker: str
+    what: str  # "a model folder"
 
 
-def install_model(dest: Path, download: Download) -> bool:
-    """Run `download` in a workspace beside `dest`, then rename the model folder it made to `dest`.
+MODEL_FOLDER = FolderKind("config.json", "a model folder")
+ADAPTER_FOLDER = FolderKind("adapter_config.json", "an adapter folder")  # PEFT's
 
-    Returns False when `dest` already holds a model folder (`download` is not called), True after a fetch.
+
+def is_model_folder(folder: Path, kind: FolderKind = MODEL_FOLDER) -> bool:
+    return (folder / kind.marker).is_file()
+
+
+def install_model(dest: Path, download: Download, kind: FolderKind = MODEL_FOLDER) -> bool:
+    """Run `download` in a workspace beside `dest`, then rename the folder of `kind` it made to `dest`.
+
+    Returns False when `dest` already holds such a folder (`download` is not called), True after a fetch.
     Raises FetchError with a one-line cause; nothing is left beside `dest` when it does.
     """
     dest = Path(os.path.abspath(dest))
@@ -37,15 +51,15 @@ def install_model(dest: Path, download: Download) -> bool:
         raise FetchError("--dest must name a folder, not a filesystem root", exit_code=2)
     try:
         _remove_stale_workspaces(dest)
-        if is_model_folder(dest):
+        if is_model_folder(dest, kind):
             return False
-        _refuse_occupied_dest(dest)
+        _refuse_occupied_dest(dest, kind)
         dest.parent.mkdir(parents=True, exist_ok=True)
         workspace = Path(tempfile.mkdtemp(prefix=_workspace_prefix(dest), dir=dest.parent))
         try:
             model_root = download(workspace)
-            if not is_model_folder(model_root):
-                raise FetchError("not a model folder (no config.json)")
+            if not is_model_folder(model_root, kind):
+                raise FetchError(f"not {kind.what} (no {kind.marker})")
             # rename(2) within one filesystem is atomic (and may replace an empty folder): the engine sees
             # no model folder or the whole one, never part of one.
             os.replace(model_root, dest)
@@ -72,7 +86,7 @@ def _remove_stale_workspaces(dest: Path) -> None:
             stale.unlink()
 
 
-def _refuse_occupied_dest(dest: Path) -> None:
+def _refuse_occupied_dest(dest: Path, kind: FolderKind) -> None:
     """Only a missing or empty folder is replaced: anything else might be someone's data."""
     if not dest.exists() and not dest.is_symlink():
         return
@@ -82,7 +96,7 @@ def _refuse_occupied_dest(dest: Path) -> None:
     if dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()):
         return
     raise FetchError(
-        f"{dest} exists and is not a model folder (no config.json); remove it or choose another --dest",
+        f"{dest} exists and is not {kind.what} (no {kind.marker}); remove it or choose another --dest",
         exit_code=2,
     )
 

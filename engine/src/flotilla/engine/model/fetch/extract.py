@@ -7,7 +7,7 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
-from flotilla.engine.model.fetch.uri import FetchError
+from flotilla.fetch_uri import FetchError
 
 
 def extract_stream(stream: io.RawIOBase, tree: Path) -> None:

@@ -14,7 +14,7 @@ from flotilla.engine.model.fetch.failures import (
     first_line,
     is_disk_full,
 )
-from flotilla.engine.model.fetch.uri import FetchError, HubSource
+from flotilla.fetch_uri import FetchError, HubSource
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 

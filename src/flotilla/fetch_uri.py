@@ -1,6 +1,8 @@
 """What a fetch URI names (hf:// or an http(s) tar archive), the one-line FetchError, and URIs made safe to print.
 
-Pure: no network, no filesystem.
+Pure: no network, no filesystem, standard library only. One copy for every part that reads these URIs: the
+engine's fetch (`flotilla model fetch`, flotilla.engine.model.fetch) and LoRA adapters loaded from a URI
+(flotilla.engine.lora.source), and the operator's check of a LoRAAdapter's spec.source.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class HubSource:
 
 @dataclass(frozen=True)
 class ArchiveSource:
-    """http(s)://…/model.tar.gz: a tar archive of a model folder; sha256 (lowercase hex) is checked when given."""
+    """http(s)://…/model.tar.gz: a tar archive of a model (or adapter) folder; sha256 (lowercase hex) is checked when given."""
 
     url: str
     sha256: str | None = None
@@ -90,6 +92,8 @@ def redact_uri(uri: str) -> str:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
         return uri
+    if parts.password is None and not parts.query:
+        return uri  # nothing to hide: as written (urlunsplit would rewrite some, e.g. file:a -> file:///a)
     netloc = parts.netloc
     if parts.password is not None:
         netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
