@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -311,11 +312,81 @@ def test_an_engine_that_refuses_connections_is_a_503_through_envoy_and_frees_its
     try:
         front = make_front(HandSetFleet([service("chat", [f"http://127.0.0.1:{dead.getsockname()[1]}"])]))
         answer = post(front, chat_body("anyone?"))
-        assert answer.status_code == 503, answer.text  # Envoy's; no retry on another replica yet (the docs)
+        assert answer.status_code == 503, answer.text  # Envoy's: its one replica, and no other to retry on
         wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
         wait_for(lambda: codes(front) == {"503": 1}, what="the request counted once, as a 503")
     finally:
         dead.close()
+
+
+class FailingReplica:
+    """A replica that fails each request before answering it: `refuse` (bound, never listening), `reset`
+    (reads the request, then resets the connection: an engine killed while the request waited in its
+    queue) or `busy` (answers 503, as a full or draining engine does). GETs (the gateway's own lookups)
+    get a 404."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.served = mode, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        if mode != "refuse":
+            self.sock.listen(16)
+            threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                got = conn.recv(65536)
+                if not got:
+                    return
+                data += got
+            if not data.startswith(b"POST"):
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                return
+            self.served += 1
+            if self.mode == "busy":
+                body = b'{"error": {"message": "busy", "type": "x", "param": null, "code": null}}'
+                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                             + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)  # fmt: skip
+            else:  # reset: SO_LINGER 0 makes close() send RST
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode", ["refuse", "reset", "busy"])
+def test_a_replica_that_fails_before_answering_is_retried_by_envoy_on_the_picks_fallback(
+    engines, make_front, mode
+):
+    """What the relay retries, Envoy retries: the pick names a fallback replica after the chosen one, and
+    a replica that refuses, resets or answers 503 before its response starts sends the request there."""
+    failing = FailingReplica(mode)
+    try:
+        front = make_front(
+            HandSetFleet([service("chat", [failing.url, engines[0].url])]), routing="round-robin"
+        )
+        for i in range(4):
+            answer = post(front, chat_body(f"retry {i}"))
+            assert answer.status_code == 200, answer.text
+        assert total(engines[0].url, counter_total(REQUEST_SUCCESS)) == 4  # all served by the live one
+        retried = envoy_stat(front.envoy, "upstream_rq_retry")
+        assert 1 <= retried <= 4, retried  # round robin picked the failing one first, some of the time
+        if mode != "refuse":
+            assert failing.served == retried
+        wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
+    finally:
+        failing.close()
 
 
 # -- the protocol: subset hint, empty pool, holding --------------------------------------------------------
@@ -368,6 +439,13 @@ def test_the_picker_down_is_a_clear_5xx_with_fail_close_and_passes_through_with_
     engines, make_front, make_envoy
 ):
     front = make_front(HandSetFleet([service("chat", [engines[0].url])]))
+    fail_open = make_envoy(front.picker.port, failure_mode="FailOpen")
+    address = engines[0].url.removeprefix("http://")
+    publisher = front.picker.endpoints
+    assert publisher is not None
+    # Both Envoys have applied the engines' endpoints (EDS) before the picker goes.
+    wait_for(lambda: len(publisher._subscribers) == 2 and address in (publisher.acked() or ()),
+             what="both Envoys to apply the engines' endpoints")  # fmt: skip
     assert post(front, chat_body("up")).status_code == 200
     stopped = threading.Event()
     loop = front.handle.gateway.loop
@@ -377,13 +455,14 @@ def test_the_picker_down_is_a_clear_5xx_with_fail_close_and_passes_through_with_
     assert stopped.wait(30)
     closed = post(front, chat_body("down"))
     assert closed.status_code == 503, closed.text
-    # FailOpen: Envoy passes the request on unchecked, with no key, where its own header says.
-    fail_open = make_envoy(front.picker.port, failure_mode="FailOpen")
-    address = engines[0].url.removeprefix("http://")
-    passed = httpx.post(fail_open.url + "/v1/chat/completions", json=chat_body("unchecked"), timeout=60,
-                        headers={DESTINATION_ENDPOINT_HEADER: address}, trust_env=False)  # fmt: skip
+    # FailOpen: Envoy passes the request on unchecked, with no key, balancing over the engines it last
+    # learned; a destination the client names that is not one of them does not steer it anywhere else.
+    passed = post(replace(front, url=fail_open.url), chat_body("unchecked"), key=None)
     assert passed.status_code == 200, passed.text
-    assert post(replace(front, url=fail_open.url), chat_body("no header"), key=None).status_code == 503
+    steered = httpx.post(fail_open.url + "/v1/chat/completions", json=chat_body("steered"), timeout=60,
+                         headers={DESTINATION_ENDPOINT_HEADER: "127.0.0.1:1"}, trust_env=False)  # fmt: skip
+    assert steered.status_code == 200, steered.text
+    assert total(engines[0].url, counter_total(REQUEST_SUCCESS)) >= 3
 
 
 def test_the_picker_serves_grpc_health(engines, make_front):

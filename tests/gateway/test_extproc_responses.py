@@ -127,9 +127,19 @@ def test_the_bootstrap_wires_ext_proc_to_the_picker_and_the_router_to_the_picked
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     assert clusters[PICKER_CLUSTER]["type"] == "STATIC"
     engines = clusters[ENGINES_CLUSTER]
-    assert engines["type"] == "ORIGINAL_DST" and engines["lb_policy"] == "CLUSTER_PROVIDED"
-    assert engines["original_dst_lb_config"] == {"use_http_header": True,
-                                                 "http_header_name": DESTINATION_ENDPOINT_HEADER}  # fmt: skip
+    # The engines come from the picker (EDS); override-host sends a request to the pick, then its fallback.
+    assert engines["type"] == "EDS"
+    eds = engines["eds_cluster_config"]["eds_config"]["api_config_source"]
+    assert eds["grpc_services"] == [{"envoy_grpc": {"cluster_name": PICKER_CLUSTER}}]
+    override = engines["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert override["name"] == "envoy.load_balancing_policies.override_host"
+    sources = override["typed_config"]["override_host_sources"]
+    assert {"header": DESTINATION_ENDPOINT_HEADER} in sources
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert (
+        route["retry_policy"]["num_retries"] == 1 and 503 in route["retry_policy"]["retriable_status_codes"]
+    )
+    assert config["node"]["id"]  # xDS needs a node identity
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     opened = bootstrap(picker_host="flotilla-gateway", picker_port=9002, failure_mode="FailOpen")
     opened_manager = opened["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][

@@ -161,6 +161,8 @@ def test_server_still_serves_after_bad_input(http):
 def test_full_queue_is_429_with_retry_after(make_server):
     import threading
 
+    from .conftest import wait_for
+
     server = make_server({"max_num_seqs": 1}, max_queue=1)
     # Hold the engine between steps so the first request stays running and the second stays queued.
     gate = threading.Event()
@@ -168,20 +170,31 @@ def test_full_queue_is_429_with_retry_after(make_server):
     execute = server.llm.runner.execute
     server.llm.runner.execute = lambda sched: gate.wait() and execute(sched)
     body = {"model": MODEL, "prompt": "long", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    queued_status: list[int] = []
+
+    def queued() -> None:  # its response starts with its first token, so it waits in a thread
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, trust_env=False, timeout=60
+        ) as rsp:
+            queued_status.append(rsp.status_code)
+            rsp.read()
+
     with (
         httpx.Client(base_url=server.url, trust_env=False, timeout=60) as a,
-        httpx.Client(base_url=server.url, trust_env=False, timeout=60) as b,
         a.stream("POST", "/v1/completions", json=body) as running,
     ):
         lines = running.iter_lines()  # keep it: a dropped iterator closes the connection
         next(lines)  # the first request holds the only batch slot
         gate.clear()
-        with b.stream("POST", "/v1/completions", json=body) as queued:
-            assert queued.status_code == 200  # it waits: the queue holds one
-            full = httpx.post(f"{server.url}/v1/completions", json=body, trust_env=False)
-            error = assert_error(full, 429, None, "queue is full")
-            assert error["code"] == "queue_full" and full.headers["retry-after"] == "1"
-            gate.set()
+        waiter = threading.Thread(target=queued)
+        waiter.start()
+        wait_for(lambda: server.state.in_flight == 2, what="the second request accepted into the queue")
+        full = httpx.post(f"{server.url}/v1/completions", json=body, trust_env=False)
+        error = assert_error(full, 429, None, "queue is full")
+        assert error["code"] == "queue_full" and full.headers["retry-after"] == "1"
+        gate.set()
+    waiter.join(60)
+    assert queued_status == [200]  # it waited: the queue holds one
     server.assert_no_leak()
 
 

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,7 @@ class FrontDoor:
         self.holds = HoldQueue(settings.max_held)
         self.hasher = PromptHasher()
         self.demand_sent: dict[str, float] = {}
+        self.fleet_listeners: list[Callable[[], None]] = []  # run after each change (the picker's EDS)
         fleet.on_change = self.fleet_changed
 
     # -- the fleet changed: wake held requests whose service can now be served (or never will) --------
@@ -99,6 +101,8 @@ class FrontDoor:
                 self.holds.fail(key, service.adapter_refusal)
         keep = {s.key for s in [*self.fleet.index.services(), *self.fleet.index.adapters()]}
         self.router.forget_services(keep)
+        for listener in self.fleet_listeners:
+            listener()
 
     # -- before the body ------------------------------------------------------------------------------
     def authenticate(self, authorization: str | None) -> str | None:

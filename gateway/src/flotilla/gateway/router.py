@@ -40,6 +40,13 @@ class Router:
             routes.table.record(hashes, decision.endpoint.url)
         return decision
 
+    def fallback(self, service: ServiceView, exclude: set[str]) -> str | None:
+        """The replica a request goes to when its pick refuses it before answering (the data plane's retry):
+        the least loaded routable one not in `exclude`, or None."""
+        urls = [e.url for e in routable(service) if e.url not in exclude]
+        loads = {url: self._load(url) for url in urls}
+        return min(urls, key=lambda url: (loads[url].in_flight + loads[url].waiting, url), default=None)
+
     def _load(self, url: str) -> EndpointLoad:
         waiting, kv_usage = self.stats.load(url)
         return EndpointLoad(self.in_flight.get(url, 0), waiting, kv_usage)

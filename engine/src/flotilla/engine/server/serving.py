@@ -172,7 +172,18 @@ class OpenAIServing:
         """Admits the job (429 when the queue is full), then answers it the one way it asked for."""
         release = call.admit(len(job.choices))
         if job.stream:
-            return _TrackedStream(events(), release, media_type="text/event-stream", headers=SSE_HEADERS)
+            try:
+                head, rest = await until_disconnected(
+                    _until_first_output(job, events()), call.request.receive
+                )
+            except ClientDisconnected:  # its engine requests were aborted with the cancelled events
+                release()
+                raise ApiError(499, "the client closed the connection", code="client_closed") from None
+            except BaseException:
+                release()
+                raise
+            return _TrackedStream(_chained(head, rest), release, media_type="text/event-stream",
+                                  headers=SSE_HEADERS)  # fmt: skip
         try:
             return JSONResponse(await until_disconnected(body(), call.request.receive))
         except ClientDisconnected:  # its engine requests were aborted with the cancelled body
@@ -283,6 +294,37 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def _until_first_output(job: Job, events: AsyncIterator[str]) -> tuple[list[str], AsyncIterator[str]]:
+    """A stream's events up to the engine's first output (a token, a finish or an error), and the rest.
+
+    Why the response waits for it: until its first bytes, an HTTP response can still be retried elsewhere by
+    whatever carries it (Envoy retries an engine that resets or dies before answering), so an engine that
+    dies while the request waits in its queue costs the client nothing. A response that had already sent
+    its status line and the role chunk could only fail."""
+    head: list[str] = []
+    try:
+        while not any(c.num_tokens or c.finish_reason for c in job.choices):
+            try:
+                head.append(await anext(events))
+            except StopAsyncIteration:
+                break
+            if head[-1].startswith('data: {"error"'):  # an engine failure, as one event: send it
+                break
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await events.aclose()  # type: ignore[attr-defined]  (an async generator's: aborts its requests)
+        raise
+    return head, events
+
+
+async def _chained(head: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    for part in head:
+        yield part
+    async with contextlib.aclosing(rest):  # type: ignore[type-var]
+        async for part in rest:
+            yield part
 
 
 def sse(body: dict) -> str:

@@ -4,7 +4,8 @@ no state; tests/gateway/test_extproc_responses.py checks each.
 - A refusal (a GatewayError: 401, 403, 404, 413, 429 with Retry-After, 503...) is an ImmediateResponse
   with the error's status, headers and OpenAI-shaped JSON body, exactly as the relay answers it.
 - A pick is the request body's answer: a header mutation that names the engine in
-  `x-gateway-destination-endpoint` (`ip:port`), sets the headers engines trust only from the gateway
+  `x-gateway-destination-endpoint` (`ip:port`, then a fallback's `,ip:port` when the service has another
+  ready replica: the one Envoy retries on), sets the headers engines trust only from the gateway
   (upstream.upstream_headers) and drops the client's own (its API key, any X-Flotilla-* it sent), plus the
   same endpoint in the `envoy.lb` dynamic metadata; and, when the body was rewritten (a `namespace/name`
   model becomes the served name), the new body and its length.

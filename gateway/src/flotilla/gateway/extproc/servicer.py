@@ -30,20 +30,22 @@ from flotilla.gateway.config import HOLD_MARGIN_SECONDS
 from flotilla.gateway.core.services import routable
 from flotilla.gateway.errors import GatewayError
 from flotilla.gateway.extproc import responses
+from flotilla.gateway.extproc.endpoints import EndpointPublisher
 from flotilla.gateway.extproc.protos import FULL_DUPLEX_STREAMED, ExternalProcessorServicer
 from flotilla.gateway.upstream import upstream_headers
 
 log = logging.getLogger("flotilla.gateway.extproc")
 MODELS = OPENAI_PATH + "/models"
 CLIENT_CLOSED = 499  # nginx's "client closed request", as the relay counts it
-MAX_WHOLE_BODY = 1 << 20  # a whole (not streamed) response is read for its usage up to this size
+MAX_WHOLE_BODY = 1 << 20
+ENDPOINTS_WAIT_SECONDS = 10.0  # Envoy applies an endpoint update in milliseconds; a busy machine, longer  # a whole (not streamed) response is read for its usage up to this size
 
 
 class PickerStream:
     """One HTTP request's exchange with Envoy: what was learned in earlier phases, and its engine."""
 
-    def __init__(self, door: FrontDoor) -> None:
-        self.door = door
+    def __init__(self, door: FrontDoor, endpoints: EndpointPublisher | None = None) -> None:
+        self.door, self.endpoints = door, endpoints
         self.arrival = time.perf_counter()
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
@@ -129,12 +131,14 @@ class PickerStream:
             self.arrival += time.perf_counter() - held_at  # the added latency does not count the hold
             service = admitted.service = door.fleet.index.get(service.key) or service
         prompt = await door.prompt(admitted)
+        service = await self.known_to_envoy(service)
         candidates = {e.url for e in routable(service)}
         excluded = (
             {url for url in candidates if responses.endpoint_address(url) not in self.subset}
             if self.subset is not None
             else set()
         )
+        excluded |= self.unknown_to_envoy(candidates)
         decision = door.router.choose(service, prompt.hashes, excluded, prompt.blocks_per_replica)
         if decision is None:
             if self.subset is not None:
@@ -151,6 +155,9 @@ class PickerStream:
         door.metrics.added_latency.observe(self.sent - self.arrival)
         trusted = upstream_headers(self.tenant, service.namespace, door.settings.engine_token_master)
         address = responses.endpoint_address(self.url)
+        fallback = door.router.fallback(service, excluded | {self.url})
+        if fallback is not None:  # where Envoy retries a request the pick refused or reset before answering
+            address += "," + responses.endpoint_address(fallback)
         rewritten = admitted.content != bytes(self.body)
         if self.duplex:
             for response in responses.picked_streamed(
@@ -159,6 +166,20 @@ class PickerStream:
                 yield response
         else:
             yield responses.picked(address, trusted, self.headers, admitted.content if rewritten else None)
+
+    def unknown_to_envoy(self, urls: set[str]) -> set[str]:
+        """The engines some subscribed Envoy has not applied yet (its cluster lacks them)."""
+        acked = self.endpoints.acked() if self.endpoints is not None else None
+        return set() if acked is None else {u for u in urls if responses.endpoint_address(u) not in acked}
+
+    async def known_to_envoy(self, service: Any) -> Any:
+        """A replica that just became ready may not be in Envoy's cluster yet: wait (briefly) until one
+        ready replica is, and return the service as the fleet has it then."""
+        urls = {e.url for e in routable(service)}
+        if self.endpoints is None or not urls or self.unknown_to_envoy(urls) != urls:
+            return service
+        await self.endpoints.wait_acked({responses.endpoint_address(u) for u in urls}, ENDPOINTS_WAIT_SECONDS)
+        return self.door.fleet.index.get(service.key) or service
 
     # -- the response ---------------------------------------------------------------------------------
     def response_headers(self, request: Any) -> Any:
@@ -201,13 +222,13 @@ class PickerStream:
 
 
 class Picker(ExternalProcessorServicer):
-    def __init__(self, door: FrontDoor) -> None:
-        self.door = door
+    def __init__(self, door: FrontDoor, endpoints: EndpointPublisher | None = None) -> None:
+        self.door, self.endpoints = door, endpoints
 
     async def Process(  # noqa: N802  (the gRPC method's name)
         self, request_iterator: AsyncIterator[Any], context: object
     ) -> AsyncIterator[Any]:
-        stream = PickerStream(self.door)
+        stream = PickerStream(self.door, self.endpoints)
         try:
             async for request in request_iterator:
                 async for response in stream.answer(request):

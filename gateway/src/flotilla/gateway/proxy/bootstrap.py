@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from flotilla.contract import (
     DESTINATION_ENDPOINT_HEADER,
+    DESTINATION_METADATA_NAMESPACE,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
 )
@@ -36,6 +37,23 @@ BUFFER_MARGIN = 64 * 1024  # bytes of listener buffer above the body limit: head
 # an OpenAI client retries it.
 PICKER_UNAVAILABLE = 503
 _T = "type.googleapis.com/envoy."
+# Once, on the pick's fallback (the second address of the destination), for what the relay retries: an
+# engine that refuses the connection, resets before its response starts, or answers 503 (full, draining).
+# After the response has started nothing is retried (its first bytes are the client's).
+RETRY_POLICY = {
+    "retry_on": "connect-failure,refused-stream,reset,retriable-status-codes",
+    "retriable_status_codes": [503],
+    "num_retries": 1,
+}
+
+
+def _policy(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """A load-balancing policy extension, by its proto's name under load_balancing_policies."""
+    extension = name.split(".")[0]
+    return {"typed_extension_config": {
+        "name": f"envoy.load_balancing_policies.{extension}",
+        "typed_config": {"@type": f"{_T}extensions.load_balancing_policies.{name}", **config},
+    }}  # fmt: skip
 
 
 def _duration(seconds: float) -> str:
@@ -134,7 +152,8 @@ def bootstrap(
                     "routes": [{
                         "match": {"prefix": "/"},
                         "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s",
-                                  "idle_timeout": _duration(upstream_idle_timeout)},
+                                  "idle_timeout": _duration(upstream_idle_timeout),
+                                  "retry_policy": RETRY_POLICY},
                     }],
                 }],
             },
@@ -156,14 +175,41 @@ def bootstrap(
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(picker_host, picker_port)}}]}],
         },
     }
+    destination = [
+        {"metadata": {"key": DESTINATION_METADATA_NAMESPACE, "path": [{"key": DESTINATION_ENDPOINT_HEADER}]}},
+        {"header": DESTINATION_ENDPOINT_HEADER},
+    ]
     engines_cluster = {
         "name": ENGINES_CLUSTER,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
+        "type": "EDS",
         "connect_timeout": "5s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_ENDPOINT_HEADER},
+        # The engines, from the picker (extproc/endpoints.py): override-host picks only among them.
+        "eds_cluster_config": {
+            "eds_config": {
+                "resource_api_version": "V3",
+                "api_config_source": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": PICKER_CLUSTER}}],
+                },
+            }
+        },
+        "load_balancing_policy": {
+            "policies": [
+                _policy(
+                    "override_host.v3.OverrideHost",
+                    {
+                        "override_host_sources": destination,
+                        # Without a pick (FailOpen, the picker down): Envoy's own balancing over every engine.
+                        "fallback_policy": {"policies": [_policy("least_request.v3.LeastRequest", {})]},
+                    },
+                )
+            ]
+        },
     }
     return {
+        # xDS (the engines' EDS) needs a node identity; the picker serves every Envoy the same endpoints.
+        "node": {"id": "flotilla-gateway", "cluster": "flotilla-gateway"},
         "admin": {"address": _socket(admin_host, admin_port)},
         "static_resources": {
             "listeners": [{
