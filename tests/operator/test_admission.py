@@ -412,7 +412,7 @@ def test_each_kinds_review_keeps_the_other_kinds_reservations_and_drops_the_expi
     """One ConfigMap, two kinds: a service review's write keeps the adapter reservations it read, and an
     adapter review's the services'; entries past their TTL go with either."""
     turns = Interleaving(lambda ready: ready[0])
-    tenant = TenantSpec(namespaces=["a"], gpu_quota={"h100": 4}, max_lora_adapters=4)
+    tenant = TenantSpec.model_validate({"namespaces": ["a"], "gpuQuota": {"h100": 4}, "maxLoRAAdapters": 4})
     ledger = SteppedLedger(turns, tenant, [])
     reserved = Reserved(
         (Reservation(Held(("a", "s"), "t", "h100", 1), "uid-s", 2000.0),
@@ -435,7 +435,9 @@ def test_each_kinds_review_keeps_the_other_kinds_reservations_and_drops_the_expi
 def _race(turns: Interleaving, limit: int, already: int, creates: int, gpu_creates: int):
     """`creates` adapter creates and `gpu_creates` one-GPU service creates (quota 2) of one tenant, each
     reviewed by the webhook's own code and stored by the API once admitted, in the turns' order."""
-    tenant = TenantSpec(namespaces=["a"], gpu_quota={"h100": 2}, max_lora_adapters=limit)
+    tenant = TenantSpec.model_validate(
+        {"namespaces": ["a"], "gpuQuota": {"h100": 2}, "maxLoRAAdapters": limit}
+    )
     ledger = SteppedLedger(turns, tenant, [("a", f"old{i}") for i in range(already)])
     refusals: list[str] = []
     peak = [len(ledger.stored_adapters)]
