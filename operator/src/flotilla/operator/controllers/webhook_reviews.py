@@ -171,7 +171,6 @@ def _admit_adapter(ledger: QuotaLedger, key: Key, uid: str, dryrun: bool) -> Non
         mine = AdapterReservation(key, uid, now + RESERVATION_TTL_SECONDS)
         updated = reserved.unexpired(now).with_adapters([*(a for a in pending if a.key != key), mine])
         if ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version):
-            failpoints.reached("admission.reserved")
             return
         time.sleep(random.uniform(0, 0.02 * (attempt + 1)))
     DENIALS.labels("", "LedgerBusy").inc()
