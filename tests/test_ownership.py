@@ -113,10 +113,9 @@ def test_rbac_quota_and_metering_cover_exactly_the_owned_namespaces():
 
 def test_the_webhook_charges_each_tenant_for_its_own_namespaces():
     world = AdmissionWorld(tenants=_specs(), labels=NAMESPACES)
-    for ns in EXPECTED:
-        world.services[(ns, "svc")] = {"metadata": {"uid": ns}, "spec": _isvc_spec()}
+    services = {(ns, "svc"): {"metadata": {"uid": ns}, "spec": _isvc_spec()} for ns in EXPECTED}
     for tenant in TENANTS:
-        charged = {key[0] for key in _stored(world, tenant)}
+        charged = {key[0] for key in _stored(world, tenant, services)}
         assert charged == {ns for ns, e in EXPECTED.items() if e == tenant}, tenant
 
 

@@ -16,6 +16,7 @@ from flotilla.operator.clients.quota_ledger import World
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.controllers import lora_adapters, webhook_reviews
 from flotilla.operator.controllers.state import Runtime
+from flotilla.operator.tenancy.reservations import Reserved, parse, serialize, without
 
 NS, BASE, NAME = "team-a", "base", "sql"
 SOURCE = "file:///adapters/sql"
@@ -98,7 +99,7 @@ def _body(source: str = SOURCE, status: dict | None = None) -> dict:
 
 def _memo(master: str | None = None) -> SimpleNamespace:
     config = OperatorConfig(engine_token_master=master)
-    return SimpleNamespace(runtime=Runtime(config=config, kube=None))  # type: ignore[arg-type]
+    return SimpleNamespace(runtime=Runtime(config=config, kube=None), admission=FakeLedger({}))  # type: ignore[arg-type]
 
 
 def _round(memo, body: dict, indexes: dict) -> dict:
@@ -170,26 +171,47 @@ def test_delete_unloads_and_retries_while_the_adapter_is_in_use(engines) -> None
 
 # -- the webhook ------------------------------------------------------------------------------------------------
 class FakeLedger:
-    def __init__(self, tenants: dict[str, TenantSpec]) -> None:
-        self.tenants = tenants
+    """clients/quota_ledger.py in memory: the world, the stored adapters, and the ConfigMap's data with a
+    version, written only by a writer that read the current one (the API server's resourceVersion check)."""
 
-    def world(self, *, services: bool = True) -> World:
+    def __init__(self, tenants: dict[str, TenantSpec], stored: list[tuple[str, str]] = ()) -> None:
+        self.tenants, self.stored = tenants, list(stored)
+        self.data: dict[str, dict[str, str]] = {}
+        self.versions: dict[str, int] = {}
+
+    def world(self) -> World:
         return World(tenants=self.tenants, labels={NS: {}, "team-b": {}})
+
+    def adapters(self) -> dict[tuple[str, str], str]:
+        return {key: f"uid-{key[1]}" for key in self.stored}
+
+    def read(self, tenant: str) -> tuple[Reserved, str | None]:
+        version = self.versions.get(tenant)
+        return parse(tenant, self.data.get(tenant)), None if version is None else str(version)
+
+    def write(self, tenant: str, tenant_uid: str, reserved: Reserved, version: str | None) -> bool:
+        current = self.versions.get(tenant)
+        if (None if current is None else str(current)) != version:
+            return False
+        self.data[tenant], self.versions[tenant] = serialize(reserved), (current or 0) + 1
+        return True
+
+    def release(self, key: tuple[str, str], uid: str, *, adapter: bool = False) -> None:
+        for tenant in list(self.data):
+            reserved, version = self.read(tenant)
+            self.write(tenant, "", without(reserved, key, uid, adapter=adapter), version)
 
 
 def _webhook_memo(limit: int | None, stored: list[tuple[str, str]]) -> SimpleNamespace:
     tenants = {"acme": TenantSpec.model_validate({"namespaces": [NS], "maxLoRAAdapters": limit})}
-    items = [{"metadata": {"namespace": ns, "name": n}} for ns, n in stored]
-    custom = SimpleNamespace(list_cluster_custom_object=lambda *a: {"items": items})
-    return SimpleNamespace(
-        admission=FakeLedger(tenants), runtime=SimpleNamespace(kube=SimpleNamespace(custom=custom))
-    )
+    runtime = Runtime(config=OperatorConfig(), kube=None)  # type: ignore[arg-type]
+    return SimpleNamespace(admission=FakeLedger(tenants, stored), runtime=runtime)
 
 
 def _admit(
     memo, name: str = NAME, source: str = SOURCE, old: dict | None = None, namespace: str = NS
 ) -> None:
-    body = {"spec": {"inferenceService": BASE, "source": source}}
+    body = {"metadata": {"uid": f"uid-{name}"}, "spec": {"inferenceService": BASE, "source": source}}
     # kopf passes many more keyword arguments; the handler reads only these.
     given: dict = {"body": body, "old": old, "namespace": namespace, "name": name, "memo": memo}
     webhook_reviews.admit_adapter(**given)
@@ -215,6 +237,30 @@ def test_the_webhook_refuses_a_bad_source_and_an_adapter_past_the_tenants_limit(
     _admit(memo, old={"spec": {"inferenceService": BASE, "source": "file:///old"}})  # an update adds none
     _admit(memo, namespace="team-b")  # no tenant owns team-b
     _admit(_webhook_memo(3, [(NS, "one"), (NS, "two")]))
+
+
+def test_the_webhook_reserves_each_admitted_create_and_a_delete_releases_it(engines) -> None:
+    """Two creates reviewed before either is stored: the second counts the first's reservation. Deleting
+    the first releases it (the finalizer, before the object goes), and the slot is free again."""
+    memo = _webhook_memo(2, [(NS, "one")])
+    _admit(memo, name="two")
+    with pytest.raises(kopf.AdmissionError, match="2 are registered \\(1 of them admitted moments ago") as no:
+        _admit(memo, name="three")
+    assert no.value.code == 403
+    _admit(memo, name="two")  # the same create again (a client's retry) is not another adapter
+    body = _body()
+    body["metadata"].update(name="two", uid="uid-two")
+    other = _body()
+    other["metadata"].update(name="two", uid="uid-other")  # another object of that name: not its reservation
+    lora_adapters.unload(body=other, retry=0, memo=memo, **_indexes([]))
+    with pytest.raises(kopf.AdmissionError):
+        _admit(memo, name="three")
+    lora_adapters.unload(body=body, retry=0, memo=memo, **_indexes([]))
+    _admit(memo, name="three")
+    # Seen gone (an adapter deleted before its finalizer was on): released too. kopf passes more arguments.
+    gone: dict = {"event": {"type": "DELETED", "object": {"metadata": {}}}, "namespace": NS, "name": "three"}
+    lora_adapters.deleted(memo=memo, **gone)
+    _admit(memo, name="four")
 
 
 def test_loads_and_unloads_carry_the_namespaces_internal_token_when_engines_have_one(engines) -> None:
@@ -318,13 +364,10 @@ def _sharing_memo() -> SimpleNamespace:
     tenants = {name: TenantSpec.model_validate(spec) for name, spec in TENANTS.items()}
 
     class Ledger(FakeLedger):
-        def world(self, *, services: bool = True) -> World:
+        def world(self) -> World:
             return World(tenants=self.tenants, labels={ns: {} for ns in (NS, "team-a2", "team-b", SHARED)})
 
-    custom = SimpleNamespace(list_cluster_custom_object=lambda *a: {"items": []})
-    return SimpleNamespace(
-        admission=Ledger(tenants), runtime=SimpleNamespace(kube=SimpleNamespace(custom=custom))
-    )
+    return SimpleNamespace(admission=Ledger(tenants))
 
 
 def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:

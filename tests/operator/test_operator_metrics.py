@@ -165,15 +165,18 @@ class MemoryLedger:
     def __init__(self, tenants: dict[str, dict]):
         self.tenants, self.data, self.version = tenants, {}, 0
 
-    def world(self, *, services: bool = True) -> World:
+    def world(self) -> World:
         specs = {name: TenantSpec.model_validate(spec) for name, spec in self.tenants.items()}
         return World(tenants=specs, tenant_uids={name: "" for name in specs})
+
+    def services(self) -> dict:
+        return {}
 
     def read(self, tenant: str):
         return parse(tenant, self.data), str(self.version)
 
-    def write(self, tenant, tenant_uid, reservations, version) -> bool:
-        self.data, self.version = serialize(reservations), self.version + 1
+    def write(self, tenant, tenant_uid, reserved, version) -> bool:
+        self.data, self.version = serialize(reserved), self.version + 1
         return True
 
     def read_claims(self):

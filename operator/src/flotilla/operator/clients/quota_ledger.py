@@ -1,5 +1,7 @@
-"""The admission webhook's reads and writes: a fresh picture of the tenancy world, and each Tenant's quota
-reservations, a ConfigMap written with optimistic concurrency (tenancy/reservations.py says why).
+"""The admission webhook's reads and writes: a fresh picture of the tenancy world, the stored objects a
+tenant is charged for (InferenceServices, LoRAAdapters), and each Tenant's reservations, a ConfigMap
+written with optimistic concurrency (tenancy/reservations.py says why, and why it is read before the
+stored objects are listed).
 
 Every read here goes to the API server, never to a watch index: the standby replicas of the operator
 answer reviews too, and their indexes are paused. Lists without a resourceVersion are consistent reads,
@@ -14,11 +16,27 @@ from typing import cast
 
 from kubernetes.client.exceptions import ApiException
 
-from flotilla.operator.api.v1alpha1 import API_VERSION, GROUP, INFERENCE_SERVICE, TENANT, VERSION, TenantSpec
+from flotilla.operator.api.v1alpha1 import (
+    API_VERSION,
+    GROUP,
+    INFERENCE_SERVICE,
+    LORA_ADAPTER,
+    TENANT,
+    VERSION,
+    TenantSpec,
+)
 from flotilla.operator.clients.kube import Kube
 from flotilla.operator.metrics import API_CALLS
 from flotilla.operator.naming import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL
-from flotilla.operator.tenancy.reservations import Reservation, data_key, parse, serialize
+from flotilla.operator.tenancy.quota import Key
+from flotilla.operator.tenancy.reservations import (
+    Reserved,
+    adapter_data_key,
+    data_key,
+    parse,
+    serialize,
+    without,
+)
 
 RESERVATIONS_PREFIX = "flotilla-quota-"
 CLAIMS_NAME = "flotilla-tenant-claims"  # Tenants admitted moments ago, with what they claim
@@ -26,12 +44,11 @@ CLAIMS_NAME = "flotilla-tenant-claims"  # Tenants admitted moments ago, with wha
 
 @dataclass
 class World:
-    """Tenants, namespaces' labels and stored InferenceServices, as the API has them now."""
+    """Tenants and namespaces' labels, as the API has them now."""
 
     tenants: dict[str, TenantSpec] = field(default_factory=dict)
     tenant_uids: dict[str, str] = field(default_factory=dict)
     labels: dict[str, dict[str, str]] = field(default_factory=dict)
-    services: dict[tuple[str, str], dict] = field(default_factory=dict)  # key -> the stored object
 
 
 def reservations_name(tenant: str) -> str:
@@ -45,7 +62,7 @@ class QuotaLedger:
     def __init__(self, kube: Kube, namespace: str):
         self.kube, self.namespace = kube, namespace
 
-    def world(self, *, services: bool = True) -> World:
+    def world(self) -> World:
         custom, core = self.kube.custom, self.kube.core
         world = World()
         API_CALLS.labels(verb="list", resource="tenants").inc()
@@ -60,22 +77,29 @@ class QuotaLedger:
         API_CALLS.labels(verb="list", resource="namespaces").inc()
         for ns in core.list_namespace().items:
             world.labels[ns.metadata.name] = dict(ns.metadata.labels or {})
-        if services:
-            API_CALLS.labels(verb="list", resource="inferenceservices").inc()
-            listed = cast(dict, custom.list_cluster_custom_object(GROUP, VERSION, INFERENCE_SERVICE.plural))
-            for obj in listed.get("items", []):
-                meta = obj["metadata"]
-                world.services[(meta["namespace"], meta["name"])] = obj
         return world
 
-    def read(self, tenant: str) -> tuple[list[Reservation], str | None]:
+    def services(self) -> dict[Key, dict]:
+        """Every stored InferenceService: (namespace, name) -> the object."""
+        return self._stored(INFERENCE_SERVICE.plural)
+
+    def adapters(self) -> dict[Key, str]:
+        """Every stored LoRAAdapter: (namespace, name) -> its uid."""
+        return {
+            key: (obj["metadata"].get("uid") or "") for key, obj in self._stored(LORA_ADAPTER.plural).items()
+        }
+
+    def _stored(self, plural: str) -> dict[Key, dict]:
+        API_CALLS.labels(verb="list", resource=plural).inc()
+        listed = cast(dict, self.kube.custom.list_cluster_custom_object(GROUP, VERSION, plural))
+        return {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in listed.get("items", [])}
+
+    def read(self, tenant: str) -> tuple[Reserved, str | None]:
         """The tenant's reservations and the ConfigMap's resourceVersion (None: it does not exist yet)."""
         data, version = self._read(reservations_name(tenant))
         return parse(tenant, data), version
 
-    def write(
-        self, tenant: str, tenant_uid: str, reservations: list[Reservation], resource_version: str | None
-    ) -> bool:
+    def write(self, tenant: str, tenant_uid: str, reserved: Reserved, resource_version: str | None) -> bool:
         """Replace the tenant's reservations if nobody wrote them since `resource_version` was read; False
         when somebody did (the caller reads again and decides again)."""
         # Collected with its Tenant.
@@ -83,7 +107,7 @@ class QuotaLedger:
         labels = {TENANT_LABEL: tenant, MANAGED_BY_LABEL: MANAGED_BY}
         return self._write(
             reservations_name(tenant),
-            serialize(reservations),
+            serialize(reserved),
             resource_version,
             labels,
             owner if tenant_uid else [],
@@ -135,21 +159,22 @@ class QuotaLedger:
             raise
         return True
 
-    def release(self, key: tuple[str, str], uid: str, attempts: int = 5) -> None:
-        """Drops the reservation a deleted InferenceService (of this uid) still holds, in whichever
-        Tenant's ConfigMap it is (its namespace may have changed owner since)."""
+    def release(self, key: Key, uid: str, *, adapter: bool = False, attempts: int = 5) -> None:
+        """Drops the reservation a deleted InferenceService (or, with `adapter`, LoRAAdapter) of this uid
+        still holds, in whichever Tenant's ConfigMap it is (its namespace may have changed owner since)."""
+        entry = adapter_data_key(key) if adapter else data_key(key)
         API_CALLS.labels(verb="list", resource="configmaps").inc()
         found = self.kube.core.list_namespaced_config_map(
             self.namespace, label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY},{TENANT_LABEL}"
         ).items
         for cm in found:
             tenant = (cm.metadata.labels or {}).get(TENANT_LABEL, "")
-            if data_key(key) not in (cm.data or {}):
+            if entry not in (cm.data or {}):
                 continue
             for _ in range(attempts):
-                reservations, version = self.read(tenant)
-                kept = [r for r in reservations if not (r.key == key and (not uid or r.uid in ("", uid)))]
-                if len(kept) == len(reservations):
+                reserved, version = self.read(tenant)
+                kept = without(reserved, key, uid, adapter=adapter)
+                if kept == reserved:
                     break
                 owner = (cm.metadata.owner_references or [None])[0]
                 if self.write(tenant, owner.uid if owner else "", kept, version):

@@ -9,7 +9,10 @@ writes the status desired/lora_adapter.py computes from the answers. A round run
 created, changed or found at start-up, and on a timer: that is how a replica that became ready, or an
 engine that restarted and forgot its adapters, gets the adapter again, and how the operator converges
 after its own restart. Deleting the object unloads it from every ready replica first (kopf's finalizer);
-an engine that answers 409 (requests still use the adapter) is asked again later.
+an engine that answers 409 (requests still use the adapter) is asked again later. Then the adapter's
+reservation against its Tenant's maxLoRAAdapters, if the webhook's ledger still holds one, is released
+before the object goes (and again when it is seen gone, for an adapter deleted before its finalizer was
+on): the next create need not wait for the reservation to expire.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import kopf
 
 from flotilla import timestamps
 from flotilla.contract import engine_token
-from flotilla.operator.api.v1alpha1 import GROUP, LORA_ADAPTER, VERSION
+from flotilla.operator.api.v1alpha1 import GROUP, LORA_ADAPTER, VERSION, LoRAAdapterSpec
 from flotilla.operator.clients import engine_lora
 from flotilla.operator.controllers import indexes
 from flotilla.operator.controllers.indexes import index_one, labels_by_namespace, plain, tenant_specs
@@ -183,14 +186,39 @@ def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs) -> Non
 
 @kopf.on.delete(*LORA)
 def unload(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs) -> None:
-    """Unload from every ready replica before the object goes; 409 (in use) and no answer are retried."""
+    """Unload from every ready replica before the object goes; 409 (in use) and no answer are retried.
+    Then release the adapter's admission reservation (tenancy/reservations.py)."""
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
     spec, problems = desired.check(plain(body.get("spec") or {}))
-    if spec is None or problems:
-        return  # never loaded anywhere
+    if spec is not None and not problems:  # else never loaded anywhere
+        _unload_everywhere(memo.runtime, namespace, name, spec, retry, kwargs)
+    with memo.runtime.lock:
+        memo.runtime.lora_locks.pop((namespace, name), None)
+    _release(memo, namespace, name, meta.get("uid") or "")
+
+
+@kopf.on.event(*LORA)
+def deleted(event: dict, namespace: str, name: str, memo: kopf.Memo, **_) -> None:
+    """An adapter deleted before the operator put its finalizer on (or while none ran): its reservation
+    is released all the same, when the operator sees it gone (a second release finds nothing to drop)."""
+    if event.get("type") == "DELETED":
+        _release(memo, namespace, name, ((event.get("object") or {}).get("metadata") or {}).get("uid") or "")
+
+
+def _release(memo: kopf.Memo, namespace: str, name: str, uid: str) -> None:
+    try:
+        memo.admission.release((namespace, name), uid, adapter=True)
+    except Exception as exc:  # the reservation expires by itself; say why it lingers
+        log.warning(
+            "could not release the admission reservation of LoRA adapter %s/%s: %s", namespace, name, exc
+        )
+
+
+def _unload_everywhere(
+    rt: Runtime, namespace: str, name: str, spec: LoRAAdapterSpec, retry: int, kwargs: dict
+) -> None:
     pending = []
-    rt: Runtime = memo.runtime
     base_ns = desired.base_namespace(namespace, spec)
     served = desired.served_name(name, namespace, base_ns)
     with _lock(rt, (namespace, name)):
@@ -216,5 +244,3 @@ def unload(body: kopf.Body, retry: int, memo: kopf.Memo, **kwargs) -> None:
         )
     if pending:
         log.warning("LoRA adapter %s/%s: giving up unloading from %s", namespace, name, ", ".join(pending))
-    with memo.runtime.lock:
-        memo.runtime.lora_locks.pop((namespace, name), None)

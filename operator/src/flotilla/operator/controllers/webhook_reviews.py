@@ -2,9 +2,9 @@
 webhook_tls.py), loaded only with --webhook-port.
 
 Every operator replica answers reviews (the API server spreads them over the webhook Service's pods), and
-a standby's watch indexes are paused, so reviews read nothing from indexes: each reads the Tenants,
-namespaces and stored InferenceServices fresh from the API, and the tenant's quota reservations from a
-ConfigMap that it writes with optimistic concurrency (tenancy/reservations.py). Two reviews of one
+a standby's watch indexes are paused, so reviews read nothing from indexes: each reads the Tenants and
+namespaces fresh from the API, then the tenant's reservations from a ConfigMap that it writes with
+optimistic concurrency (tenancy/reservations.py), then the stored objects it counts. Two reviews of one
 tenant, on any replicas, serialize on that write; the loser reads again and decides again.
 
 - InferenceServices (create, update, and the scale subresource) are judged by `review_service` below:
@@ -14,9 +14,9 @@ tenant, on any replicas, serialize on that write; the loser reads again and deci
   re-checks them when it does, while admission is asked once.
 - LoRAAdapters are refused when their spec is invalid (desired.lora_adapter.check: the source's scheme),
   when their base is in a namespace the adapter's tenant may not use (desired.lora_adapter.sharing_problem),
-  and, on create, past their Tenant's spec.maxLoRAAdapters (tenancy.lora_limit). The count reads the
-  stored adapters; two creates reviewed at the same moment may both pass (no reservation is kept for
-  adapters, unlike GPU quota), so the limit can be passed by the number of concurrent creates.
+  and, on create, past their Tenant's spec.maxLoRAAdapters (tenancy.lora_limit): `admit_adapter` counts
+  the stored adapters and the live adapter reservations, and reserves the one it admits in the same
+  ConfigMap, the same way as GPU quota.
 - Tenants are refused when they claim a namespace another Tenant claims, stored or admitted moments ago
   (the claims ConfigMap, written the same way).
 """
@@ -42,11 +42,14 @@ from flotilla.operator.tenancy.quota import Held, Key
 from flotilla.operator.tenancy.quota_review import Verdict, charge, review
 from flotilla.operator.tenancy.reservations import (
     RESERVATION_TTL_SECONDS,
+    AdapterReservation,
     Reservation,
+    Reserved,
     Stored,
     charges,
     claims_data,
     live,
+    live_adapters,
     pending_claims,
 )
 from flotilla.operator.tenancy.rules import namespaces_owned, owner_of, tenant_problems
@@ -92,7 +95,7 @@ def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) ->
         DENIALS.labels(name, INVALID_TENANT).inc()
         raise kopf.AdmissionError(f"tenant {name}: {exc}", code=422) from exc
     for attempt in range(MAX_ATTEMPTS):
-        world = ledger.world(services=False)
+        world = ledger.world()
         data, version = ledger.read_claims()
         now = time.time()
         pending = pending_claims(data, {n: s.to_wire() for n, s in world.tenants.items()}, now)
@@ -117,7 +120,7 @@ def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) ->
 
 
 @kopf.on.validate(GROUP, VERSION, LORA_ADAPTER.plural, id="lora-adapter", operations=["CREATE", "UPDATE"])
-def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, **_) -> None:
+def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, dryrun: bool = False, **_) -> None:
     spec_raw = body.get("spec") or {}
     if old and (old.get("spec") or {}) == spec_raw:
         return  # the operator's own writes (finalizers, annotations, status)
@@ -126,10 +129,9 @@ def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, **_) ->
         DENIALS.labels("", problems[0].reason).inc()
         raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {describe(problems)}", code=422)
     ledger: QuotaLedger = memo.admission
-    world = None
     base_ns = lora_adapter.base_namespace(namespace, spec)
     if base_ns != namespace:  # a base in another namespace: one the adapter's tenant may use
-        world = ledger.world(services=False)
+        world = ledger.world()
         mine = owner_of(namespace, world.tenants, world.labels)
         refusal = lora_adapter.sharing_problem(mine, owner_of(base_ns, world.tenants, world.labels))
         if refusal is not None:
@@ -137,25 +139,46 @@ def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, **_) ->
             raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {refusal[1]}", code=403)
     if old:
         return  # the limit counts objects: only a create adds one
-    world = world or ledger.world(services=False)
-    tenant = owner_of(namespace, world.tenants, world.labels).tenant
-    limit = world.tenants[tenant].max_lora_adapters if tenant in world.tenants else None
-    if tenant is None or limit is None:
-        return
-    owned = set(namespaces_owned(tenant, world.tenants, world.labels))
-    API_CALLS.labels(verb="list", resource=LORA_ADAPTER.plural).inc()
-    listed = memo.runtime.kube.custom.list_cluster_custom_object(GROUP, VERSION, LORA_ADAPTER.plural)
-    existing = [
-        (obj["metadata"]["namespace"], obj["metadata"]["name"])
-        for obj in listed.get("items", [])
-        if obj["metadata"].get("namespace") in owned
-    ]
-    refusal = adapter_limit_refusal(
-        tenant=tenant, limit=limit, namespace=namespace, name=name, existing=existing
+    uid = (body.get("metadata") or {}).get("uid") or ""
+    _admit_adapter(ledger, (namespace, name), uid, dryrun)
+
+
+def _admit_adapter(ledger: QuotaLedger, key: Key, uid: str, dryrun: bool) -> None:
+    """The Tenant's maxLoRAAdapters on a create: counted over its stored adapters and its live adapter
+    reservations, and the admitted create reserved in the tenant's ConfigMap, as `_admit` does for GPUs."""
+    namespace, name = key
+    for attempt in range(MAX_ATTEMPTS):
+        world = ledger.world()
+        tenant = owner_of(namespace, world.tenants, world.labels).tenant
+        limit = world.tenants[tenant].max_lora_adapters if tenant in world.tenants else None
+        if tenant is None or limit is None:
+            return
+        # The reservations first, then the stored adapters (tenancy/reservations.py says why).
+        reserved, version = ledger.read(tenant)
+        owned = set(namespaces_owned(tenant, world.tenants, world.labels))
+        stored = [k for k in ledger.adapters() if k[0] in owned]
+        now = time.time()
+        pending = live_adapters(reserved.adapters, stored, now)
+        refusal = adapter_limit_refusal(
+            tenant=tenant, limit=limit, namespace=namespace, name=name, existing=stored,
+            reserved=[a.key for a in pending],
+        )  # fmt: skip
+        if refusal:
+            DENIALS.labels(tenant, "MaxLoRAAdaptersExceeded").inc()
+            raise kopf.AdmissionError(refusal, code=403)
+        if dryrun:
+            return
+        mine = AdapterReservation(key, uid, now + RESERVATION_TTL_SECONDS)
+        updated = reserved.unexpired(now).with_adapters([*(a for a in pending if a.key != key), mine])
+        if ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version):
+            return
+        time.sleep(random.uniform(0, 0.02 * (attempt + 1)))
+    DENIALS.labels("", "LedgerBusy").inc()
+    raise kopf.AdmissionError(
+        f"LoRAAdapter {namespace}/{name}: {MAX_ATTEMPTS} concurrent reviews of the same tenant's limits won "
+        "the reservation before this one; nothing was admitted, retry the request",
+        code=LEDGER_BUSY,
     )
-    if refusal:
-        DENIALS.labels(tenant, "MaxLoRAAdaptersExceeded").inc()
-        raise kopf.AdmissionError(refusal, code=403)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,10 +200,11 @@ def _admit(
         world = ledger.world()
         claim = owner_of(namespace, world.tenants, world.labels)
         tenant = claim.tenant
-        reservations, version = ledger.read(tenant) if tenant else ([], None)
+        # The reservations first, then the stored services (tenancy/reservations.py says why).
+        reserved, version = ledger.read(tenant) if tenant else (Reserved(), None)
         now = time.time()
-        stored = _stored(world, tenant) if tenant else {}
-        reservations = live(reservations, stored, now)
+        stored = _stored(world, tenant, ledger.services()) if tenant else {}
+        reservations = live(reserved.services, stored, now)
         verdict, held = review_service(
             key=key,
             new_raw=new_raw or {},
@@ -196,7 +220,7 @@ def _admit(
         if dryrun or held is None or tenant is None or verdict.reason in UNCHARGED:
             return
         mine = Reservation(held, uid, now + RESERVATION_TTL_SECONDS)
-        updated = [r for r in reservations if r.key != key] + [mine]
+        updated = reserved.unexpired(now).with_services([*(r for r in reservations if r.key != key), mine])
         if ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version):
             failpoints.reached("admission.reserved")
             return
@@ -255,11 +279,11 @@ def charged(key: Key, tenant: str, raw_spec: dict) -> Held | None:
     return Held(key, tenant, c.gpu_type, c.gpus)
 
 
-def _stored(world: World, tenant: str) -> dict[Key, Stored]:
+def _stored(world: World, tenant: str, services: dict[Key, dict]) -> dict[Key, Stored]:
     """The tenant's stored InferenceServices, with what each is charged."""
     out = {}
     owned = set(namespaces_owned(tenant, world.tenants, world.labels))
-    for key, obj in world.services.items():
+    for key, obj in services.items():
         if key[0] not in owned:
             continue
         meta = obj.get("metadata") or {}

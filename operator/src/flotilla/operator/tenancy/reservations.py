@@ -1,4 +1,4 @@
-"""Quota reservations: what the admission webhook has admitted that the API may not have stored yet. Pure.
+"""Reservations: what the admission webhook has admitted that the API may not have stored yet. Pure.
 
 The ledger's truth lives in the API, where every operator replica sees it, not in a replica's memory:
 one ConfigMap per Tenant (clients/quota_ledger.py) holds its live reservations, and a review writes its
@@ -8,13 +8,23 @@ reservation. Kueue does the same for quota reservations: a Workload's admission 
 with optimistic concurrency, never a controller's memory. Kopf's peering is no help here: it pauses a
 standby's handlers and indexes, not its webhook, and the API server spreads reviews over all replicas.
 
-What a tenant is charged at review time: each stored InferenceService of its namespaces (read fresh from
-the API, not from a watch index, which may lag or be frozen on a standby), and each live reservation
-over it. A reservation lives until the stored object shows the charge it reserved (confirmed), the
-object it reserved for is gone and another with its name stands there, or `RESERVATION_TTL_SECONDS`
-pass: the longest an admitted write can take to be stored after the webhook answered. The TTL errs
-towards refusing: a create admitted and then deleted within the TTL holds its GPUs until the TTL ends
-or the operator sees the deletion (controllers/webhook_reviews.py releases it).
+The ConfigMap holds two kinds of reservation (`Reserved`), each counted against its own limit:
+- an InferenceService's GPUs (`Reservation`), against the Tenant's gpuQuota and maxServices;
+- a LoRAAdapter object (`AdapterReservation`), against its maxLoRAAdapters (tenancy/lora_limit.py).
+A review of either kind writes the whole ConfigMap, so both kinds serialize on the same write.
+
+What a tenant is charged at review time: each stored object of its namespaces (read fresh from the API,
+not from a watch index, which may lag or be frozen on a standby), and each live reservation over it. The
+ConfigMap is read before the stored objects are listed: a reservation leaves the ConfigMap only once a
+review saw its object stored (or it expired or was released), so whatever a review does not find
+reserved it finds stored, and whatever is reserved after its read fails its write.
+
+A reservation lives until the stored object shows the charge it reserved (confirmed), the object it
+reserved for is gone and another with its name stands there, or `RESERVATION_TTL_SECONDS` pass: the
+longest an admitted write can take to be stored after the webhook answered. The TTL errs towards
+refusing: a create admitted and then deleted within the TTL holds its GPUs (or its adapter slot) until
+the TTL ends or the operator sees the deletion (it releases the reservation: controllers/service_events.py,
+controllers/lora_adapters.py).
 """
 
 from __future__ import annotations
@@ -49,32 +59,81 @@ class Stored:
     held: Held | None  # None when its spec does not parse (nothing is charged)
 
 
+@dataclass(frozen=True)
+class AdapterReservation:
+    """A LoRAAdapter create the webhook admitted: one of the tenant's maxLoRAAdapters until stored."""
+
+    key: Key  # (namespace, LoRAAdapter name)
+    uid: str  # the object's uid as the review saw it ("" when the request had none)
+    expires: float  # unix time
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """One tenant's reservations, as its ConfigMap holds them."""
+
+    services: tuple[Reservation, ...] = ()
+    adapters: tuple[AdapterReservation, ...] = ()
+
+    def unexpired(self, now: float) -> Reserved:
+        """Without what expired: either kind's review drops both kinds' expired entries."""
+        return Reserved(
+            tuple(r for r in self.services if r.expires > now),
+            tuple(a for a in self.adapters if a.expires > now),
+        )
+
+    def with_services(self, services: Iterable[Reservation]) -> Reserved:
+        return Reserved(tuple(services), self.adapters)
+
+    def with_adapters(self, adapters: Iterable[AdapterReservation]) -> Reserved:
+        return Reserved(self.services, tuple(adapters))
+
+
+# An adapter's data key: `lora_<namespace>.<name>`. A service's key starts with its namespace, a DNS label,
+# which has no underscore, so the two never collide.
+ADAPTER_KEY_PREFIX = "lora_"
+
+
 def data_key(key: Key) -> str:
     """A ConfigMap data key for a service: namespaces (DNS labels) have no dots, so the first dot splits."""
     return f"{key[0]}.{key[1]}"
 
 
-def parse(tenant: str, data: Mapping[str, str] | None) -> list[Reservation]:
-    out = []
+def adapter_data_key(key: Key) -> str:
+    return ADAPTER_KEY_PREFIX + data_key(key)
+
+
+def parse(tenant: str, data: Mapping[str, str] | None) -> Reserved:
+    services, adapters = [], []
     for name, text in (data or {}).items():
-        namespace, _, service = name.partition(".")
+        is_adapter = name.startswith(ADAPTER_KEY_PREFIX)
+        namespace, _, obj = name.removeprefix(ADAPTER_KEY_PREFIX).partition(".")
         try:
             entry = json.loads(text)
-            held = Held((namespace, service), tenant, entry.get("gpuType"), int(entry["gpus"]))
-            out.append(Reservation(held, str(entry.get("uid") or ""), float(entry["expires"])))
-        except (ValueError, KeyError, TypeError):
+            uid, expires = str(entry.get("uid") or ""), float(entry["expires"])
+            if is_adapter:
+                adapters.append(AdapterReservation((namespace, obj), uid, expires))
+            else:
+                held = Held((namespace, obj), tenant, entry.get("gpuType"), int(entry["gpus"]))
+                services.append(Reservation(held, uid, expires))
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a hand-edited entry we cannot read reserves nothing
-    return out
+    return Reserved(tuple(services), tuple(adapters))
 
 
-def serialize(reservations: Iterable[Reservation]) -> dict[str, str]:
-    return {
+def serialize(reserved: Reserved) -> dict[str, str]:
+    data = {
         data_key(r.key): json.dumps(
             {"gpuType": r.held.gpu_type, "gpus": r.held.gpus, "uid": r.uid, "expires": round(r.expires, 3)},
             sort_keys=True,
         )
-        for r in reservations
+        for r in reserved.services
     }
+    for a in reserved.adapters:
+        data[adapter_data_key(a.key)] = json.dumps(
+            {"uid": a.uid, "expires": round(a.expires, 3)}, sort_keys=True
+        )
+    return data
 
 
 def live(reservations: Iterable[Reservation], stored: Mapping[Key, Stored], now: float) -> list[Reservation]:
@@ -108,6 +167,28 @@ def charges(stored: Mapping[Key, Stored], reservations: Iterable[Reservation]) -
         if slot not in by_key_type or held.gpus > by_key_type[slot].gpus:
             by_key_type[slot] = held
     return sorted(by_key_type.values(), key=lambda h: (h.key, h.gpu_type or ""))
+
+
+def live_adapters(
+    reservations: Iterable[AdapterReservation], stored: Iterable[Key], now: float
+) -> list[AdapterReservation]:
+    """The adapter reservations that still count: unexpired and not stored under their name. A stored
+    adapter of that name counts by itself, whether it is the one reserved for (confirmed) or another that
+    took the name (the reserved create then failed: AlreadyExists), so either way the reservation goes."""
+    names = set(stored)
+    return [a for a in reservations if a.expires > now and a.key not in names]
+
+
+def without(reserved: Reserved, key: Key, uid: str, *, adapter: bool) -> Reserved:
+    """`reserved` less the reservation for `key` of the object with this uid (or any, where either uid is
+    unknown): what the operator writes when it sees that object deleted."""
+
+    def mine(k: Key, u: str) -> bool:
+        return k == key and (not uid or u in ("", uid))
+
+    if adapter:
+        return reserved.with_adapters(a for a in reserved.adapters if not mine(a.key, a.uid))
+    return reserved.with_services(r for r in reserved.services if not mine(r.key, r.uid))
 
 
 # Tenants' namespace claims, the same way: a Tenant admitted moments ago may not be stored yet when another
