@@ -15,14 +15,12 @@ from urllib.parse import urlsplit
 
 from flotilla.contract import model_fetch_argv
 from flotilla.fetch_uri import FetchError, HubSource, parse_fetch_uri, redact_uri
+from flotilla.operator.api.v1alpha1 import CLAIM_NAME_MAX, CLAIM_NAME_PATTERN
 from flotilla.operator.config import OperatorConfig
 
 SCHEMES = ("file", "pvc", "hf", "http", "https")
 MOUNT_ROOT = "/mnt/models"
 ACCEPTED = "use file:///path, pvc://claim/path, hf://org/name[@revision] or https://host/model.tar.gz"
-# A PersistentVolumeClaim's name: a DNS-1123 subdomain (the pattern of the CRD's adapterClaim too).
-CLAIM_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-CLAIM_NAME_MAX = 253
 
 
 @dataclass(frozen=True)
