@@ -398,6 +398,18 @@ def _sharing_memo() -> SimpleNamespace:
 
 def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:
     memo = _sharing_memo()
+    read: list[tuple[str, str]] = []
+
+    def get(group, version, namespace, plural, name):
+        read.append((namespace, name))
+        return {
+            "spec": {
+                "model": {"uri": "file:///m"},
+                "engine": {"lora": {"enabled": True, "adapterDir": "/adapters"}},
+            }
+        }
+
+    memo.runtime.kube.custom.get_namespaced_custom_object = get
 
     def admit(base_ns: str, namespace: str = NS, old: dict | None = None) -> None:
         body = {"spec": {"inferenceService": BASE, "source": SOURCE, "serviceNamespace": base_ns}}
@@ -410,6 +422,7 @@ def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:
     with pytest.raises(kopf.AdmissionError) as refused:
         admit("team-b")
     assert refused.value.code == 403
+    assert ("team-b", BASE) not in read  # another tenant's base is never read, so never shown
     assert str(refused.value).startswith(
         f"LoRAAdapter {NS}/{NAME}: spec.serviceNamespace 'team-b': namespace team-b does not belong to tenant acme"
     )

@@ -13,10 +13,10 @@ tenant, on any replicas, serialize on that write; the loser reads again and deci
   left to the reconciler: the world changes (a node joins, a volume is filled) and the reconciler
   re-checks them when it does, while admission is asked once.
 - LoRAAdapters are refused when their spec is invalid (desired.lora_adapter.check: the source's scheme),
-  when their base exists, serves adapters and mounts neither the folder nor the claim a file:// or pvc://
-  source names (desired.lora_adapter.mount_problem: the stored base, read fresh; a base created or changed
-  later is the Ready condition's, as are its other rules), when their base is in a namespace the adapter's
-  tenant may not use (desired.lora_adapter.sharing_problem),
+  when their base is in a namespace the adapter's tenant may not use (desired.lora_adapter.sharing_problem),
+  then (so that such a base is never read) when their base exists, serves adapters and mounts neither the
+  folder nor the claim a file:// or pvc:// source names (desired.lora_adapter.mount_problem: the stored
+  base, read fresh; a base created or changed later is the Ready condition's, as are its other rules),
   and, on create, past their Tenant's spec.maxLoRAAdapters (tenancy.lora_limit). The count reads the
   stored adapters; two creates reviewed at the same moment may both pass (no reservation is kept for
   adapters, unlike GPU quota), so the limit can be passed by the number of concurrent creates.
@@ -146,6 +146,15 @@ def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, **_) ->
     ledger: QuotaLedger = memo.admission
     world = None
     base_ns = lora_adapter.base_namespace(namespace, spec)
+    if base_ns != namespace:  # a base in another namespace: one the adapter's tenant may use
+        world = ledger.world(services=False)
+        mine = owner_of(namespace, world.tenants, world.labels)
+        refusal = lora_adapter.sharing_problem(mine, owner_of(base_ns, world.tenants, world.labels))
+        if refusal is not None:
+            DENIALS.labels(mine.tenant or "", refusal[0]).inc()
+            raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {refusal[1]}", code=403)
+    # Only then the base's mounts: a base the tenant may not use is never read, so its folder and claim are
+    # never shown to it.
     path = lora_adapter.adapter_path(spec.source)
     if not lora_adapter.is_fetched(path):  # a folder the base's replicas must mount: do they?
         base = _stored_service(memo, base_ns, spec.inference_service)
@@ -154,13 +163,6 @@ def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, **_) ->
         if unseen is not None:
             DENIALS.labels("", unseen[0]).inc()
             raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {unseen[1]}", code=422)
-    if base_ns != namespace:  # a base in another namespace: one the adapter's tenant may use
-        world = ledger.world(services=False)
-        mine = owner_of(namespace, world.tenants, world.labels)
-        refusal = lora_adapter.sharing_problem(mine, owner_of(base_ns, world.tenants, world.labels))
-        if refusal is not None:
-            DENIALS.labels(mine.tenant or "", refusal[0]).inc()
-            raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {refusal[1]}", code=403)
     if old:
         return  # the limit counts objects: only a create adds one
     world = world or ledger.world(services=False)
