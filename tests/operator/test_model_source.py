@@ -118,6 +118,7 @@ def test_a_refused_hub_or_archive_uri_names_the_value_without_secrets_and_why(ur
         ("pvc://claim/../other", "leaves the claim"),
         ("pvc://Claim_1/x", "not a PersistentVolumeClaim name"),
         ("pvc://claim/", "claim and a path"),
+        ("pvc://claim/a/..", "claim and a path"),
     ],
 )
 def test_a_pvc_uri_names_a_claim_and_a_folder_inside_it(uri: str, words: str) -> None:

@@ -55,7 +55,7 @@ def parse_claim_uri(uri: str) -> tuple[str, str]:
     what is wrong: no claim, no path, a claim name Kubernetes refuses, or a path that leaves the claim."""
     parts = urlsplit(uri)
     sub_path = posixpath.normpath(parts.path.strip("/")) if parts.path.strip("/") else ""
-    if not parts.netloc or not sub_path or parts.query or parts.fragment:
+    if not parts.netloc or sub_path in ("", ".") or parts.query or parts.fragment:
         raise ModelUriError("a pvc uri needs a claim and a path, like pvc://models/llama-3-8b")
     claim = parts.netloc
     if len(claim) > CLAIM_NAME_MAX or not re.fullmatch(CLAIM_NAME_PATTERN, claim):
