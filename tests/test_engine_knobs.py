@@ -21,7 +21,8 @@ from flotilla.operator.desired.workload import Decision, Owner, deployment
 from flotilla.quantity import quantity_bytes
 
 NOT_KNOBS = {"show_progress"}  # EngineConfig fields no flag sets
-NOT_KNOB_FIELDS = {"extraArgs", "lora.adapterDir"}  # spec.engine fields that set no knob (appended; a volume)
+# spec.engine fields that set no knob: extraArgs is appended; adapterDir and adapterClaim are volumes.
+NOT_KNOB_FIELDS = {"extraArgs", "lora.adapterDir", "lora.adapterClaim"}
 
 # Every CRD field set, each to a value other than the engine's default (a test below checks both).
 EVERY_FIELD = {
@@ -40,7 +41,14 @@ EVERY_FIELD = {
         "maxBatchSize": 2,
         "model": {"uri": "file:///models/tiny-draft"},
     },
-    "lora": {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "maxCpuLoras": 3, "adapterDir": "/adapters"},
+    "lora": {
+        "enabled": True,
+        "maxLoras": 2,
+        "maxLoraRank": 16,
+        "maxCpuLoras": 3,
+        "adapterDir": "/adapters",
+        "adapterClaim": "adapters",
+    },
     "extraArgs": ["--seed", "7"],
 }
 # Fields that may not be set together (the engine refuses adapters over a quantized base): the argv test

@@ -249,6 +249,10 @@ def _disconnect(s: str) -> bool:
     return s == "http.disconnect"
 
 
+def _archive_suffix(s: str) -> bool:  # what an http(s) fetch URI must end with (.tar.gz, .tgz, .tar)
+    return s in fetch_uri.ARCHIVE_SUFFIXES
+
+
 def _policy(s: str) -> bool:  # the benchmarks name their runs by policy (NOT_CONTRACT_CODE)
     return s == contract.SCHEDULING_FCFS
 
@@ -260,6 +264,7 @@ ONE_HOME: list[tuple[str, str, Callable[[str], bool], tuple[str, ...]]] = [
     ("src/flotilla/quantity.py", "a Kubernetes quantity's binary suffix", _binary_suffix, ()),
     ("src/flotilla/disconnect.py", "the ASGI disconnect message", _disconnect, ()),
     ("src/flotilla/contract.py", "a scheduling policy's name", _policy, NOT_CONTRACT_CODE),
+    ("src/flotilla/fetch_uri.py", "a fetch URI's archive suffix", _archive_suffix, ()),
 ]
 
 
@@ -269,8 +274,8 @@ ONE_HOME: list[tuple[str, str, Callable[[str], bool], tuple[str, ...]]] = [
 def test_what_two_parts_need_is_written_once(
     home: str, what: str, spells: Callable[[str], bool], exempt: tuple[str, ...]
 ) -> None:
-    """The OpenAI error body, Kubernetes quantities, RFC 3339 times, the client-disconnect race and the
-    scheduling policies each have one home; a second copy (one once disagreed with the first) fails here."""
+    """The OpenAI error body, Kubernetes quantities, RFC 3339 times, the client-disconnect race, the
+    scheduling policies and the fetch URIs' archive suffixes each have one home; a second copy (one once disagreed with the first) fails here."""
     copies = []
     for _, path in _modules():
         where = str(path.relative_to(ROOT))

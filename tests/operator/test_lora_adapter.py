@@ -44,10 +44,9 @@ def test_hub_and_archive_sources_go_to_the_engine_as_written(source) -> None:
 @pytest.mark.parametrize(
     ("source", "words"),
     [
-        (
-            "pvc://claim/adapters/sql",
-            "scheme 'pvc' is not supported: a pvc source would need the claim mounted",
-        ),
+        ("pvc://claim", "a pvc uri needs a claim and a path"),
+        ("pvc://claim/../sql", "path '/../sql' leaves the claim"),
+        ("pvc://Claim_1/sql", "claim 'Claim_1' is not a PersistentVolumeClaim name"),
         ("s3://bucket/sql", "scheme 's3' is not supported"),
         ("/adapters/sql", "no scheme is not supported"),
         ("file://host/adapters/sql", "not a file URI of an absolute path"),
@@ -65,7 +64,17 @@ def test_other_sources_are_refused_naming_the_field_the_value_and_what_is_accept
     message = str(refused.value)
     assert message.startswith(f"spec.source {source!r}: ") and words in message
     assert "file:///absolute/path" in message and "hf://org/name[@revision]" in message
-    assert "http(s)://…/adapter.tar.gz" in message
+    assert "http(s)://…/adapter.tar.gz" in message and "pvc://<claim>/<folder>" in message
+
+
+def test_a_pvc_source_is_its_folder_where_the_replicas_mount_the_bases_adapter_claim() -> None:
+    """The claim is mounted as a pvc:// model's is (model_source.claim_mount), at /mnt/lora-adapters/<claim>."""
+    path = d.adapter_path("pvc://adapters-data/team-a/./sql/")
+    assert path == "/mnt/lora-adapters/adapters-data/team-a/sql" and not d.is_fetched(path)
+    assert d.source_claim("pvc://adapters-data/team-a/sql") == "adapters-data"
+    assert d.source_claim("file:///adapters/sql") is None and d.source_claim("hf://org/sql") is None
+    spec, problems = d.check({"inferenceService": "base", "source": "pvc://adapters-data/sql"})
+    assert spec is not None and problems == []
 
 
 def test_a_refusal_never_shows_a_password_or_a_query() -> None:
@@ -109,6 +118,55 @@ def test_the_base_must_exist_serve_adapters_from_a_folder_holding_the_source_und
         assert reason == "SourceOutsideAdapterDir" and outside in message and "/adapters" in message
     assert d.base_problem("tiny", "ns", "base", _base(ON, served="tiny"), path)[0] == "NameTaken"
     assert d.base_problem("base", "ns", "base", _base(ON), path)[0] == "NameTaken"
+
+
+def test_a_pvc_source_must_name_the_claim_the_base_mounts() -> None:
+    """The replicas mount the base's spec.engine.lora.adapterClaim only: a pvc source names it, or it is
+    refused naming the field, the value and what is accepted (the Ready condition, and the webhook when the
+    base exists: mount_problem)."""
+    source = "pvc://data/team-a/sql"
+    path, claim = d.adapter_path(source), d.source_claim(source)
+    claimed = {"enabled": True, "adapterClaim": "data"}
+    assert d.base_problem("sql", "ns", "base", _base(claimed), path, claim) is None
+    assert d.mount_problem("ns", "base", _base(claimed), path, claim) is None
+    reason, message = d.base_problem("sql", "ns", "base", _base(ON), path, claim) or ("", "")
+    assert reason == "NoAdapterClaim" and message.startswith(f"spec.source {source!r}: ")
+    assert "sets no spec.engine.lora.adapterClaim" in message and "set adapterClaim to 'data'" in message
+    other = {"enabled": True, "adapterClaim": "other"}
+    reason, message = d.base_problem("sql", "ns", "base", _base(other), path, claim) or ("", "")
+    assert reason == "SourceOutsideAdapterClaim" and message.startswith(f"spec.source {source!r}: ")
+    assert "claim 'data' is not 'other'" in message and "accepted: pvc://other/<folder>" in message
+    assert d.mount_problem("ns", "base", _base(other), path, claim) == (reason, message)
+    # A file source is still adapterDir's, whatever claim the base mounts.
+    assert d.base_problem("sql", "ns", "base", _base(claimed), "/adapters/sql")[0] == "NoAdapterDir"
+    # The webhook asks only about a base that exists and serves adapters; the rest is the Ready condition's.
+    assert d.mount_problem("ns", "base", None, path, claim) is None
+    assert d.mount_problem("ns", "base", _base({"enabled": False}), path, claim) is None
+    assert d.mount_problem("ns", "base", {"spec": {"model": 3}}, path, claim) is None
+    assert d.base_problem("sql", "ns", "base", _base({"enabled": False}), path, claim)[0] == "LoRANotEnabled"
+
+
+def test_every_reason_a_base_blocks_an_adapter_with_is_one_the_gateway_refuses_at_once() -> None:
+    """The gateway holds an adapter's requests while it is Loading, and refuses them at once for these
+    reasons (gateway/core/adapters.py BLOCKED_REASONS, which cannot import the operator): none may be
+    missing there, or its requests would wait for a load that never comes."""
+    from flotilla.gateway.core.adapters import BLOCKED_REASONS
+    from flotilla.ownership import Owner
+
+    path, claim = "/mnt/lora-adapters/data/sql", "data"
+    cases = [
+        (None, "/adapters/sql", None),
+        ({"spec": {"model": 3}}, "/adapters/sql", None),
+        (_base({"enabled": False}), "/adapters/sql", None),
+        (_base({"enabled": True}), "/adapters/sql", None),
+        (_base(ON), "/elsewhere/sql", None),
+        (_base(ON), path, claim),
+        (_base({"enabled": True, "adapterClaim": "other"}), path, claim),
+    ]
+    reasons = {d.base_problem("sql", "ns", "base", base, p, c)[0] for base, p, c in cases}  # type: ignore[index]
+    reasons.add(d.base_problem("tiny", "ns", "base", _base(ON, served="tiny"), "/adapters/sql")[0])  # type: ignore[index]
+    reasons.add(d.sharing_problem(Owner("a", ("t1",)), Owner("b", ("t2",)))[0])  # type: ignore[index]
+    assert len(reasons) == 9 and reasons <= BLOCKED_REASONS, reasons - BLOCKED_REASONS
 
 
 def test_a_fetched_source_needs_no_adapter_dir_but_lora_and_its_own_name() -> None:
@@ -156,6 +214,42 @@ def test_adapter_dir_is_mounted_read_only_at_its_own_path(make_spec, owner, deci
     for engine in ({}, {"lora": {"enabled": True}}):
         plain = deployment(owner, make_spec(engine=engine), decision, config)["spec"]["template"]["spec"]
         assert [v["name"] for v in plain["volumes"]] == [v["name"] for v in pod["volumes"] if v is not volume]
+
+
+def test_adapter_claim_is_mounted_read_only_as_a_pvc_models_claim_is(
+    make_spec, owner, decision, config
+) -> None:
+    from flotilla.operator.desired.model_source import LORA_ADAPTER_CLAIM
+    from flotilla.operator.desired.workload import LORA_ADAPTERS_VOLUME, deployment
+
+    lora = {"enabled": True, "adapterClaim": "adapters-data", "adapterDir": "/srv/adapters"}
+    pod = deployment(owner, make_spec(engine={"lora": lora}), decision, config)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == LORA_ADAPTER_CLAIM.volume]
+    assert volume["persistentVolumeClaim"] == {"claimName": "adapters-data", "readOnly": True}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts[LORA_ADAPTER_CLAIM.volume] == {
+        "name": LORA_ADAPTER_CLAIM.volume,
+        "mountPath": "/mnt/lora-adapters/adapters-data",
+        "readOnly": True,
+    }
+    assert mounts[LORA_ADAPTERS_VOLUME]["mountPath"] == "/srv/adapters"  # beside adapterDir's
+    # The folder a pvc source names is in that mount.
+    assert d.adapter_path("pvc://adapters-data/sql").startswith(
+        mounts[LORA_ADAPTER_CLAIM.volume]["mountPath"] + "/"
+    )
+    # Beside a pvc:// model (its own volume and mount point), and alone.
+    spec = make_spec(
+        model={"uri": "pvc://models/tiny"}, engine={"lora": {"enabled": True, "adapterClaim": "models"}}
+    )
+    pod = deployment(owner, spec, decision, config)["spec"]["template"]["spec"]
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert claims == {"model": "models", LORA_ADAPTER_CLAIM.volume: "models"}
+    paths = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+    assert "/mnt/models/models" in paths and "/mnt/lora-adapters/models" in paths
 
 
 # -- replicas and what they serve ---------------------------------------------------------------------------
@@ -317,6 +411,8 @@ def test_spec_engine_lora_rules_across_fields(make_spec) -> None:
     assert _lora_problems(make_spec, lora={"enabled": True}, quantization="none") == []
     (p,) = _lora_problems(make_spec, lora={"adapterDir": "/adapters"})
     assert p.field == "spec.engine.lora.enabled" and "adapterDir set" in p.message
+    (p,) = _lora_problems(make_spec, lora={"enabled": False, "adapterClaim": "data"})
+    assert p.field == "spec.engine.lora.enabled" and "adapterClaim set while enabled is false" in p.message
     spec = make_spec(engine={"lora": {"enabled": True, "adapterDir": "/nowhere"}})
     (p,) = validate(spec, gpu_types=None, path_exists=lambda path: path != "/nowhere")
     assert (

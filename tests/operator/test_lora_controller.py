@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import kopf
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from flotilla.contract import engine_token
 from flotilla.fetch_uri import redact_uri
@@ -202,9 +203,27 @@ class FakeLedger:
             self.write(tenant, "", without(reserved, key, uid, adapter=adapter), version)
 
 
-def _webhook_memo(limit: int | None, stored: list[tuple[str, str]]) -> SimpleNamespace:
+def _custom(adapters: list[dict], services: dict[tuple[str, str], dict] | None = None) -> SimpleNamespace:
+    """The API's custom objects as the webhook reads them: the stored adapters (a list) and services (a get;
+    404 for one not stored)."""
+
+    def get(group, version, namespace, plural, name):
+        assert plural == "inferenceservices"
+        if (namespace, name) not in (services or {}):
+            raise ApiException(status=404, reason="Not Found")
+        return (services or {})[(namespace, name)]
+
+    return SimpleNamespace(
+        list_cluster_custom_object=lambda *a: {"items": adapters}, get_namespaced_custom_object=get
+    )
+
+
+def _webhook_memo(
+    limit: int | None, stored: list[tuple[str, str]], services: dict[tuple[str, str], dict] | None = None
+) -> SimpleNamespace:
     tenants = {"acme": TenantSpec.model_validate({"namespaces": [NS], "maxLoRAAdapters": limit})}
-    runtime = Runtime(config=OperatorConfig(), kube=None)  # type: ignore[arg-type]
+    custom = _custom([], services)
+    runtime = Runtime(config=OperatorConfig(), kube=SimpleNamespace(custom=custom))  # type: ignore[arg-type]
     return SimpleNamespace(admission=FakeLedger(tenants, stored), runtime=runtime)
 
 
@@ -224,9 +243,10 @@ def test_the_webhook_refuses_a_bad_source_and_an_adapter_past_the_tenants_limit(
         _admit(_webhook_memo(None, []), source="s3://bucket/x")
     assert refused.value.code == 422
     with pytest.raises(
-        kopf.AdmissionError, match="spec.source: 'pvc://claim/x': scheme 'pvc' is not supported"
+        kopf.AdmissionError, match="spec.source: 'pvc://claim': a pvc uri needs a claim and a path"
     ):
-        _admit(_webhook_memo(None, []), source="pvc://claim/x")
+        _admit(_webhook_memo(None, []), source="pvc://claim")
+    _admit(_webhook_memo(None, []), source="pvc://claim/x")  # no base yet: its Ready condition will say
     _admit(_webhook_memo(None, []), source="hf://org/x@v1")  # the engine fetches these
     _admit(_webhook_memo(None, []), source="https://host/x.tar.gz")
     memo = _webhook_memo(2, [(NS, "one"), (NS, "two"), ("team-b", "other")])
@@ -261,6 +281,57 @@ def test_the_webhook_reserves_each_admitted_create_and_a_delete_releases_it(engi
     gone: dict = {"event": {"type": "DELETED", "object": {"metadata": {}}}, "namespace": NS, "name": "three"}
     lora_adapters.deleted(memo=memo, **gone)
     _admit(memo, name="four")
+
+
+def test_the_webhook_refuses_a_folder_source_the_stored_bases_replicas_do_not_mount() -> None:
+    """A pvc source must name the base's adapterClaim, a file source lie under its adapterDir: refused (422)
+    naming the field, the value and what is accepted, when the base exists and serves adapters. A base
+    not stored yet, or not serving adapters yet, is left to the Ready condition (it may come later)."""
+    lora = {"enabled": True, "adapterClaim": "data", "adapterDir": "/adapters"}
+    base = {"spec": {"model": {"uri": "file:///models/tiny", "servedName": "tiny"}, "engine": {"lora": lora}}}
+    memo = _webhook_memo(None, [], {(NS, BASE): base})
+    _admit(memo, source="pvc://data/team-a/sql")
+    _admit(memo, source="file:///adapters/sql")
+    _admit(memo, source="https://host/sql.tar.gz")  # fetched: the base is not even read
+    with pytest.raises(kopf.AdmissionError) as refused:
+        _admit(memo, source="pvc://other/sql")
+    assert refused.value.code == 422
+    assert str(refused.value) == (
+        f"LoRAAdapter {NS}/{NAME}: spec.source 'pvc://other/sql': claim 'other' is not 'data', the "
+        f"spec.engine.lora.adapterClaim of InferenceService {NS}/{BASE}: its replicas mount only that claim "
+        "(accepted: pvc://data/<folder>)"
+    )
+    with pytest.raises(kopf.AdmissionError, match="spec.source /srv/sql is not under /adapters"):
+        _admit(memo, source="file:///srv/sql")
+    lora.pop("adapterClaim")
+    with pytest.raises(kopf.AdmissionError, match="sets no spec.engine.lora.adapterClaim"):
+        _admit(memo, source="pvc://data/sql")
+    lora["enabled"] = False
+    _admit(memo, source="pvc://data/sql")  # LoRANotEnabled is the Ready condition's
+    _admit(_webhook_memo(None, []), source="pvc://data/sql")  # no base stored
+
+
+def test_a_pvc_source_loads_from_the_claims_mount_and_only_on_a_base_that_mounts_it(engines) -> None:
+    memo, pods = _memo(), [_pod("p0", "127.7.0.1")]
+    indexes = _indexes(pods)
+    lora = indexes["services"][(NS, BASE)][0]["spec"]["engine"]["lora"]
+    status = _round(memo, _body("pvc://data/sql"), indexes)
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert (
+        ready["status"] == "False"
+        and ready["reason"] == "NoAdapterClaim"
+        and "'pvc://data/sql'" in ready["message"]
+    )
+    assert engines.of("http://127.7.0.1:8000/v1").calls == []  # never asked to load what it cannot see
+    lora["adapterClaim"] = "data"
+    status = _round(memo, _body("pvc://data/sql", status), indexes)
+    assert [(r["pod"], r["phase"]) for r in status["replicas"]] == [("p0", "Loaded")]
+    assert engines.of("http://127.7.0.1:8000/v1").served == {NAME: "/mnt/lora-adapters/data/sql"}
+    assert _round(memo, _body("pvc://data/sql", status), indexes) == {}  # converged: no call, no write
+    lora["adapterClaim"] = "other"
+    status = _round(memo, _body("pvc://data/sql", status), indexes)
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert ready["reason"] == "SourceOutsideAdapterClaim" and "pvc://other/<folder>" in ready["message"]
 
 
 def test_loads_and_unloads_carry_the_namespaces_internal_token_when_engines_have_one(engines) -> None:
@@ -367,11 +438,24 @@ def _sharing_memo() -> SimpleNamespace:
         def world(self) -> World:
             return World(tenants=self.tenants, labels={ns: {} for ns in (NS, "team-a2", "team-b", SHARED)})
 
-    return SimpleNamespace(admission=Ledger(tenants))
+    runtime = SimpleNamespace(kube=SimpleNamespace(custom=_custom([])))
+    return SimpleNamespace(admission=Ledger(tenants), runtime=runtime)
 
 
 def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:
     memo = _sharing_memo()
+    read: list[tuple[str, str]] = []
+
+    def get(group, version, namespace, plural, name):
+        read.append((namespace, name))
+        return {
+            "spec": {
+                "model": {"uri": "file:///m"},
+                "engine": {"lora": {"enabled": True, "adapterDir": "/adapters"}},
+            }
+        }
+
+    memo.runtime.kube.custom.get_namespaced_custom_object = get
 
     def admit(base_ns: str, namespace: str = NS, old: dict | None = None) -> None:
         body = {"spec": {"inferenceService": BASE, "source": SOURCE, "serviceNamespace": base_ns}}
@@ -384,6 +468,7 @@ def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:
     with pytest.raises(kopf.AdmissionError) as refused:
         admit("team-b")
     assert refused.value.code == 403
+    assert ("team-b", BASE) not in read  # another tenant's base is never read, so never shown
     assert str(refused.value).startswith(
         f"LoRAAdapter {NS}/{NAME}: spec.serviceNamespace 'team-b': namespace team-b does not belong to tenant acme"
     )

@@ -22,7 +22,8 @@ LOADED, LOADING, FAILED = "Loaded", "Loading", "Failed"
 # the object or its base must change first. A request for such an adapter is refused at once, with the
 # operator's message, rather than held.
 BLOCKED_REASONS = frozenset({"Invalid", "BaseServiceNotFound", "BaseServiceInvalid", "LoRANotEnabled",
-                             "NoAdapterDir", "SourceOutsideAdapterDir", "NameTaken", "BaseNotShared"})  # fmt: skip
+                             "NoAdapterDir", "SourceOutsideAdapterDir", "NoAdapterClaim",
+                             "SourceOutsideAdapterClaim", "NameTaken", "BaseNotShared"})  # fmt: skip
 
 
 @dataclass(frozen=True)

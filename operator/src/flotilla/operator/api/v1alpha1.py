@@ -27,6 +27,10 @@ Quantity = Annotated[
 ]
 # A DNS-1123 label, the shape of a Kubernetes label value we put on nodes and in selectors.
 LABEL_VALUE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# A PersistentVolumeClaim's name (a DNS-1123 subdomain): spec.engine.lora.adapterClaim, and the claim of a
+# pvc:// model uri or LoRAAdapter source (desired/model_source.py).
+CLAIM_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+CLAIM_NAME_MAX = 253
 
 
 class _Model(BaseModel):
@@ -104,7 +108,8 @@ class Speculative(_Model):
 
 # spec.engine.lora: LoRA adapters served beside the base model (docs/lora.md). The adapters themselves are
 # LoRAAdapter objects, which the operator loads into the replicas at runtime; these size the engine (the
-# knobs) and name the node folder the replicas read adapters from (adapterDir, a volume: no knob).
+# knobs) and name where the replicas read adapters from: a node folder (adapterDir) and a claim (adapterClaim),
+# each a volume: no knob.
 # The bounds are the engine's (flotilla.contract's max_loras, max_lora_rank, max_cpu_loras knobs); rules
 # across fields (quantization, maxCpuLoras below maxLoras, sizes without enabled) are desired/validation.py's.
 class LoRASettings(_Model):
@@ -139,6 +144,16 @@ class LoRASettings(_Model):
         pattern=r"^/",
         description="a folder on the nodes, mounted read-only into every replica at the same path (hostPath): "
         "the file:// sources of this service's LoRAAdapters must lie under it",
+    )
+    # Mounted as a pvc:// model's claim is (desired/model_source.claim_mount).
+    adapter_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=CLAIM_NAME_MAX,
+        pattern=CLAIM_NAME_PATTERN,
+        description="a PersistentVolumeClaim in this service's namespace, mounted read-only into every replica "
+        "at /mnt/lora-adapters/<claim>: the pvc://<claim>/<folder> sources of this service's LoRAAdapters must "
+        "name it",
     )
 
 
@@ -418,7 +433,7 @@ class TenantStatus(_Model):
 # loads into every ready replica of that service (docs/lora.md, "In the fleet").
 
 # The source schemes accepted in this version (desired/lora_adapter.py checks the URI).
-LORA_SOURCE_SCHEMES = ("file", "hf", "http", "https")
+LORA_SOURCE_SCHEMES = ("file", "pvc", "hf", "http", "https")
 
 
 class LoRAAdapterSpec(_Model):
@@ -440,7 +455,8 @@ class LoRAAdapterSpec(_Model):
         min_length=1,
         max_length=4096,
         description="where the PEFT folder (adapter_config.json, adapter_model.safetensors) is: file:///path, "
-        "a folder under the base's spec.engine.lora.adapterDir; or hf://org/name[@revision] or "
+        "a folder under the base's spec.engine.lora.adapterDir; pvc://<claim>/<folder>, a folder in the base's "
+        "spec.engine.lora.adapterClaim; or hf://org/name[@revision] or "
         "http(s)://.../adapter.tar.gz[#sha256=<hex>], which each replica's engine fetches itself",
     )
 

@@ -134,7 +134,10 @@ def _round(rt: Runtime, body: dict, patch: kopf.Patch, kwargs: dict) -> None:
                 # A base the tenant may no longer use (its namespace changed owner): its engines let go.
                 for replica in _replicas(kwargs, base_ns, spec.inference_service):
                     _evict(served, replica, _token(rt, base_ns))
-            blocked = blocked or desired.base_problem(served, base_ns, spec.inference_service, base, path)
+            claim = desired.source_claim(spec.source)
+            blocked = blocked or desired.base_problem(
+                served, base_ns, spec.inference_service, base, path, claim
+            )
             if blocked is None:
                 replicas = _replicas(kwargs, base_ns, spec.inference_service)
                 ready = len(replicas)

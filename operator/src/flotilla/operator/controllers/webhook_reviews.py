@@ -14,6 +14,9 @@ tenant, on any replicas, serialize on that write; the loser reads again and deci
   re-checks them when it does, while admission is asked once.
 - LoRAAdapters are refused when their spec is invalid (desired.lora_adapter.check: the source's scheme),
   when their base is in a namespace the adapter's tenant may not use (desired.lora_adapter.sharing_problem),
+  then (so that such a base is never read) when their base exists, serves adapters and mounts neither the
+  folder nor the claim a file:// or pvc:// source names (desired.lora_adapter.mount_problem: the stored
+  base, read fresh; a base created or changed later is the Ready condition's, as are its other rules),
   and, on create, past their Tenant's spec.maxLoRAAdapters (tenancy.lora_limit): `admit_adapter` counts
   the stored adapters and the live adapter reservations, and reserves the one it admits in the same
   ConfigMap, the same way as GPU quota.
@@ -29,6 +32,7 @@ import time
 from collections.abc import Iterable
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, LORA_ADAPTER, TENANT, VERSION, TenantSpec
 from flotilla.operator.clients.quota_ledger import QuotaLedger, World
@@ -119,6 +123,20 @@ def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) ->
     )
 
 
+def _stored_service(memo: kopf.Memo, namespace: str, name: str) -> dict | None:
+    """The stored InferenceService, read fresh; None when there is none, or when it cannot be read (the
+    review then leaves the base's rules to the adapter's Ready condition rather than refuse on a guess)."""
+    API_CALLS.labels(verb="get", resource=INFERENCE_SERVICE.plural).inc()
+    try:
+        return memo.runtime.kube.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, ISVC[2], name)
+    except ApiException as exc:
+        if exc.status != 404:
+            log.warning(
+                "InferenceService %s/%s could not be read (%s): not checked", namespace, name, exc.status
+            )
+        return None
+
+
 @kopf.on.validate(GROUP, VERSION, LORA_ADAPTER.plural, id="lora-adapter", operations=["CREATE", "UPDATE"])
 def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, dryrun: bool = False, **_) -> None:
     spec_raw = body.get("spec") or {}
@@ -137,6 +155,16 @@ def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, dryrun:
         if refusal is not None:
             DENIALS.labels(mine.tenant or "", refusal[0]).inc()
             raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {refusal[1]}", code=403)
+    # Only then the base's mounts: a base the tenant may not use is never read, so its folder and claim are
+    # never shown to it.
+    path = lora_adapter.adapter_path(spec.source)
+    if not lora_adapter.is_fetched(path):  # a folder the base's replicas must mount: do they?
+        base = _stored_service(memo, base_ns, spec.inference_service)
+        claim = lora_adapter.source_claim(spec.source)
+        unseen = lora_adapter.mount_problem(base_ns, spec.inference_service, base, path, claim)
+        if unseen is not None:
+            DENIALS.labels("", unseen[0]).inc()
+            raise kopf.AdmissionError(f"LoRAAdapter {namespace}/{name}: {unseen[1]}", code=422)
     if old:
         return  # the limit counts objects: only a create adds one
     uid = (body.get("metadata") or {}).get("uid") or ""

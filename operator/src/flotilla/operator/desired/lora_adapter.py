@@ -29,7 +29,9 @@ from flotilla.operator.api.v1alpha1 import (
     Condition,
     InferenceServiceSpec,
     LoRAAdapterSpec,
+    LoRASettings,
 )
+from flotilla.operator.desired.model_source import LORA_ADAPTER_CLAIM, claim_mount, parse_claim_uri
 from flotilla.operator.desired.validation import Problem
 from flotilla.ownership import Owner
 
@@ -42,29 +44,23 @@ LOADING, LOADED, FAILED = "Loading", "Loaded", "Failed"
 # -- the spec -------------------------------------------------------------------------------------------------
 SOURCE_ACCEPTED = (
     "accepted: file:///absolute/path (a folder under the base's spec.engine.lora.adapterDir), "
+    "pvc://<claim>/<folder> (a folder in the base's spec.engine.lora.adapterClaim), "
     "hf://org/name[@revision], or http(s)://…/adapter.tar.gz (or .tgz, .tar; optional #sha256=<64 hex "
     "digits>), which each replica's engine fetches itself"
 )
 FETCHED_SCHEMES = ("hf", "http", "https")
-PVC_REFUSAL = (
-    "a pvc source would need the claim mounted in every replica of the base, which the operator does not do "
-    "for adapters: put the adapter in a folder under the base's adapterDir, or publish it as an http(s) "
-    "archive or on the Hub"
-)
 
 
 def adapter_path(source: str) -> str:
     """What the operator sends as lora_path: the folder a `file:///abs/path` source names (normalized as
-    the engine reports it), or an hf:// or http(s):// source as written (the engine fetches it). A
-    ValueError names the field, the value (without secrets) and what is accepted otherwise."""
+    the engine reports it); for `pvc://<claim>/<folder>`, that folder where the replicas mount the base's
+    adapterClaim (model_source.claim_mount, LORA_ADAPTER_CLAIM's root); an hf:// or http(s):// source as
+    written (the engine fetches it). A ValueError names the field, the value (without secrets) and what
+    is accepted otherwise."""
     shown = redact_uri(source)
     parts = urlsplit(source)
     scheme = parts.scheme.lower()
     if scheme not in LORA_SOURCE_SCHEMES:
-        if scheme == "pvc":
-            raise ValueError(
-                f"spec.source {shown!r}: scheme 'pvc' is not supported: {PVC_REFUSAL}; {SOURCE_ACCEPTED}"
-            )
         named = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
         raise ValueError(f"spec.source {shown!r}: {named} is not supported; {SOURCE_ACCEPTED}")
     if scheme in FETCHED_SCHEMES:
@@ -73,9 +69,20 @@ def adapter_path(source: str) -> str:
         except FetchError as exc:
             raise ValueError(f"spec.source {shown!r}: {exc}; {SOURCE_ACCEPTED}") from None
         return source
+    if scheme == "pvc":
+        try:
+            claim, folder = parse_claim_uri(source)  # a pvc:// model uri's rules
+        except ValueError as exc:
+            raise ValueError(f"spec.source {shown!r}: {exc}; {SOURCE_ACCEPTED}") from None
+        return claim_mount(claim, folder, LORA_ADAPTER_CLAIM).path
     if parts.netloc or not parts.path.startswith("/") or parts.query or parts.fragment:
         raise ValueError(f"spec.source {shown!r}: not a file URI of an absolute path; {SOURCE_ACCEPTED}")
     return posixpath.normpath(parts.path)
+
+
+def source_claim(source: str) -> str | None:
+    """The claim a valid pvc:// source names (the base's adapterClaim must be it); None for other schemes."""
+    return parse_claim_uri(source)[0] if urlsplit(source).scheme.lower() == "pvc" else None
 
 
 def is_fetched(path: str) -> bool:
@@ -146,11 +153,12 @@ def sharing_problem(adapter: Owner, base: Owner) -> tuple[str, str] | None:
 
 
 def base_problem(
-    name: str, namespace: str, service: str, base: Mapping | None, path: str
+    name: str, namespace: str, service: str, base: Mapping | None, path: str, claim: str | None = None
 ) -> tuple[str, str] | None:
     """Why the base service `namespace/service` cannot take the adapter (`name`: its served name) from
-    `path`, as (reason, message); None when it can. Its replicas see only the node folder its
-    spec.engine.lora.adapterDir mounts, so the path must lie under it."""
+    `path` (adapter_path; `claim`: source_claim, for a pvc:// source), as (reason, message); None when it
+    can. Its replicas see only the node folder its spec.engine.lora.adapterDir mounts and the claim its
+    adapterClaim mounts, so the path must lie in one of them (mount_problem)."""
     if base is None:
         return "BaseServiceNotFound", f"InferenceService {namespace}/{service} does not exist"
     try:
@@ -170,9 +178,50 @@ def base_problem(
             f"the adapter's name {name!r} is the served model name of InferenceService {namespace}/{service}; "
             "requests could not tell them apart: name the LoRAAdapter otherwise",
         )
+    return _mount_problem(namespace, service, spec.engine.lora, path, claim)
+
+
+def mount_problem(
+    namespace: str, service: str, base: Mapping | None, path: str, claim: str | None = None
+) -> tuple[str, str] | None:
+    """Why the replicas of an existing base that serves adapters cannot see the source (`path`, `claim`
+    as for base_problem), as (reason, message); None when they can, and when that is not known: no base,
+    one that does not parse or does not serve adapters (base_problem's other reasons, which the webhook
+    leaves to the Ready condition, since a base may be created or changed after its adapters)."""
+    if base is None:
+        return None
+    try:
+        spec = InferenceServiceSpec.model_validate(base.get("spec") or {})
+    except ValidationError:
+        return None
+    if spec.engine.lora is None or not spec.engine.lora.enabled:
+        return None
+    return _mount_problem(namespace, service, spec.engine.lora, path, claim)
+
+
+def _mount_problem(
+    namespace: str, service: str, lora: LoRASettings, path: str, claim: str | None
+) -> tuple[str, str] | None:
     if is_fetched(path):
         return None  # each replica's engine fetches it into its own cache: no node folder is involved
-    folder = spec.engine.lora.adapter_dir
+    if claim is not None:
+        source = f"pvc://{claim}/{posixpath.relpath(path, claim_mount(claim, '', LORA_ADAPTER_CLAIM).path)}"
+        if not lora.adapter_claim:
+            return (
+                "NoAdapterClaim",
+                f"spec.source {source!r}: InferenceService {namespace}/{service} sets no "
+                f"spec.engine.lora.adapterClaim, so its replicas mount no claim to load it from: set adapterClaim "
+                f"to {claim!r} there",
+            )
+        if lora.adapter_claim != claim:
+            return (
+                "SourceOutsideAdapterClaim",
+                f"spec.source {source!r}: claim {claim!r} is not {lora.adapter_claim!r}, the "
+                f"spec.engine.lora.adapterClaim of InferenceService {namespace}/{service}: its replicas mount "
+                f"only that claim (accepted: pvc://{lora.adapter_claim}/<folder>)",
+            )
+        return None
+    folder = lora.adapter_dir
     if not folder:
         return (
             "NoAdapterDir",

@@ -1,16 +1,26 @@
-"""Where a model's files come from: a spec's model uri turned into a path, volumes and init containers."""
+"""Where a model's files come from: a spec's model uri turned into a path, volumes and init containers.
+
+hf:// and http(s):// URIs are parsed by flotilla.fetch_uri, the engine's own parser (`flotilla model fetch`
+runs in the init container that fetches them), so a uri the operator accepts is one the init container can
+fetch. A claim's mount (claim_mount) is shared with spec.engine.lora.adapterClaim (desired/workload.py) and
+LoRAAdapter pvc:// sources (desired/lora_adapter.py).
+"""
 
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from flotilla.contract import model_fetch_argv
+from flotilla.fetch_uri import FetchError, HubSource, parse_fetch_uri, redact_uri
+from flotilla.operator.api.v1alpha1 import CLAIM_NAME_MAX, CLAIM_NAME_PATTERN
 from flotilla.operator.config import OperatorConfig
 
 SCHEMES = ("file", "pvc", "hf", "http", "https")
 MOUNT_ROOT = "/mnt/models"
+ACCEPTED = "use file:///path, pvc://claim/path, hf://org/name[@revision] or https://host/model.tar.gz"
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,8 @@ class MountNames:
 
 MODEL = MountNames(volume="model", root=MOUNT_ROOT, init_container="fetch-model")
 DRAFT_MODEL = MountNames(volume="draft-model", root="/mnt/draft-models", init_container="fetch-draft-model")
+# spec.engine.lora.adapterClaim: a claim of LoRA adapters, never fetched (so no init container).
+LORA_ADAPTER_CLAIM = MountNames(volume="lora-adapter-claim", root="/mnt/lora-adapters", init_container="")
 
 
 class ModelUriError(ValueError):
@@ -38,35 +50,55 @@ class ModelUri:
     sub_path: str = ""  # pvc only: the model folder inside the claim
 
 
-def parse_model_uri(uri: str) -> ModelUri:
+def parse_claim_uri(uri: str) -> tuple[str, str]:
+    """pvc://claim/path as (claim, path inside the claim, normalized). A ValueError (ModelUriError) says
+    what is wrong: no claim, no path, a claim name Kubernetes refuses, or a path that leaves the claim."""
     parts = urlsplit(uri)
+    sub_path = posixpath.normpath(parts.path.strip("/")) if parts.path.strip("/") else ""
+    if not parts.netloc or sub_path in ("", ".") or parts.query or parts.fragment:
+        raise ModelUriError("a pvc uri needs a claim and a path, like pvc://models/llama-3-8b")
+    claim = parts.netloc
+    if len(claim) > CLAIM_NAME_MAX or not re.fullmatch(CLAIM_NAME_PATTERN, claim):
+        raise ModelUriError(
+            f"claim {claim!r} is not a PersistentVolumeClaim name (lowercase letters, digits, '-' and '.')"
+        )
+    if sub_path == ".." or sub_path.startswith("../"):
+        raise ModelUriError(f"path {parts.path!r} leaves the claim")
+    return claim, sub_path
+
+
+def parse_model_uri(uri: str) -> ModelUri:
+    shown = redact_uri(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:  # a malformed host or port
+        raise ModelUriError(f"{shown!r}: {exc}; {ACCEPTED}") from None
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        shown = f"'{parts.scheme}'" if parts.scheme else "no scheme"
-        raise ModelUriError(
-            f"unsupported uri scheme {shown} in {uri!r}; use file:///path, pvc://claim/path, hf://org/name "
-            "or https://host/model.tar.gz"
-        )
+        named = f"'{parts.scheme}'" if parts.scheme else "no scheme"
+        raise ModelUriError(f"unsupported uri scheme {named} in {shown!r}; {ACCEPTED}")
     if scheme == "file":
         if parts.netloc:
-            raise ModelUriError(f"{uri!r}: a file uri needs an absolute path, like file:///models/name")
+            raise ModelUriError(f"{shown!r}: a file uri needs an absolute path, like file:///models/name")
         path = posixpath.normpath(parts.path or "/")
         if path == "/":
-            raise ModelUriError(f"{uri!r}: a file uri needs a model folder, like file:///models/name")
+            raise ModelUriError(f"{shown!r}: a file uri needs a model folder, like file:///models/name")
         return ModelUri("file", path)
     if scheme == "pvc":
-        sub_path = parts.path.strip("/")
-        if not parts.netloc or not sub_path:
-            raise ModelUriError(f"{uri!r}: a pvc uri needs a claim and a path, like pvc://models/llama-3-8b")
-        return ModelUri("pvc", parts.netloc, sub_path)
-    if scheme in ("http", "https"):
-        if not parts.netloc or not parts.path.endswith((".tar.gz", ".tgz", ".tar")):
-            raise ModelUriError(f"{uri!r}: an http(s) uri names a .tar.gz, .tgz or .tar of a model folder")
-        return ModelUri(scheme, uri)
-    name = f"{parts.netloc}{parts.path}".strip("/")
-    if name.count("/") != 1 or not all(name.split("/")):
-        raise ModelUriError(f"{uri!r}: an hf uri names one repository, like hf://org/name")
-    return ModelUri("hf", name)
+        try:
+            claim, sub_path = parse_claim_uri(uri)
+        except ModelUriError as exc:
+            raise ModelUriError(f"{shown!r}: {exc}") from None
+        return ModelUri("pvc", claim, sub_path)
+    # hf:// and http(s)://: the engine's parser, which the init container's `flotilla model fetch` runs.
+    try:
+        source = parse_fetch_uri(uri)
+    except FetchError as exc:
+        what = "an hf uri names one repository" if scheme == "hf" else "an http(s) uri names a model archive"
+        raise ModelUriError(f"{shown!r}: {what}: {exc}") from None
+    if isinstance(source, HubSource):
+        return ModelUri("hf", source.repo_id + (f"@{source.revision}" if source.revision else ""))
+    return ModelUri(scheme, uri)
 
 
 @dataclass
@@ -82,20 +114,21 @@ def model_mount(model: ModelUri, config: OperatorConfig, image: str, names: Moun
     if model.scheme == "file":
         return _host_path(model.location, names)
     if model.scheme == "pvc":
-        mount_path = f"{names.root}/{model.location}"
-        return ModelMount(
-            path=f"{mount_path}/{model.sub_path}",
-            volumes=[
-                {
-                    "name": names.volume,
-                    "persistentVolumeClaim": {"claimName": model.location, "readOnly": True},
-                }
-            ],
-            mounts=[{"name": names.volume, "mountPath": mount_path, "readOnly": True}],
-        )
+        return claim_mount(model.location, model.sub_path, names)
     if model.scheme == "hf" and config.hf_cache_dir:
         return _host_path(posixpath.join(config.hf_cache_dir, model.location), names)
     return _fetched(model, image, names)
+
+
+def claim_mount(claim: str, sub_path: str, names: MountNames) -> ModelMount:
+    """A PersistentVolumeClaim mounted read-only at `<names.root>/<claim>`; the path is `sub_path` in it
+    (the claim's top when empty)."""
+    mount_path = f"{names.root}/{claim}"
+    return ModelMount(
+        path=posixpath.join(mount_path, sub_path) if sub_path else mount_path,
+        volumes=[{"name": names.volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+        mounts=[{"name": names.volume, "mountPath": mount_path, "readOnly": True}],
+    )
 
 
 def _fetched(model: ModelUri, image: str, names: MountNames) -> ModelMount:

@@ -177,6 +177,7 @@ def _lora_problems(engine: EngineSettings, path_exists: Callable[[str], bool] | 
         "maxLoraRank": lora.max_lora_rank,
         "maxCpuLoras": lora.max_cpu_loras,
         "adapterDir": lora.adapter_dir,
+        "adapterClaim": lora.adapter_claim,
     }
     sized = [name for name, value in sizes.items() if value is not None]
     if not lora.enabled:

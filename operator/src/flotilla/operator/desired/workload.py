@@ -42,7 +42,14 @@ from flotilla.operator.api.v1alpha1 import (
     InferenceServiceSpec,
 )
 from flotilla.operator.config import ENGINE_SHUTDOWN_DELAY, OperatorConfig
-from flotilla.operator.desired.model_source import DRAFT_MODEL, ModelMount, model_mount, parse_model_uri
+from flotilla.operator.desired.model_source import (
+    DRAFT_MODEL,
+    LORA_ADAPTER_CLAIM,
+    ModelMount,
+    claim_mount,
+    model_mount,
+    parse_model_uri,
+)
 from flotilla.operator.naming import (
     GPU_RESOURCE,
     GPU_TYPE_LABEL,
@@ -173,17 +180,27 @@ LORA_ADAPTERS_VOLUME = "lora-adapters"
 
 
 def lora_adapter_mount(spec: InferenceServiceSpec) -> ModelMount:
-    """spec.engine.lora.adapterDir, mounted read-only at its own path (a hostPath), so that a LoRAAdapter's
-    file:// source is the same path in the pod as on the node; nothing when unset or LoRA is off."""
+    """Where the replicas read LoRAAdapters' files from, read-only: spec.engine.lora.adapterDir at its own
+    path (a hostPath), so that a file:// source is the same path in the pod as on the node; and
+    spec.engine.lora.adapterClaim as a pvc:// model's claim is mounted (claim_mount, at
+    /mnt/lora-adapters/<claim>), where a pvc:// source's folder is (desired/lora_adapter.adapter_path).
+    Nothing when both are unset or LoRA is off (the path is adapterDir's, or empty)."""
     lora = spec.engine.lora
-    if lora is None or not lora.enabled or not lora.adapter_dir:
+    if lora is None or not lora.enabled:
         return ModelMount(path="")
-    path = posixpath.normpath(lora.adapter_dir)
-    return ModelMount(
-        path=path,
-        volumes=[{"name": LORA_ADAPTERS_VOLUME, "hostPath": {"path": path, "type": "Directory"}}],
-        mounts=[{"name": LORA_ADAPTERS_VOLUME, "mountPath": path, "readOnly": True}],
-    )
+    mount = ModelMount(path="")
+    if lora.adapter_dir:
+        path = posixpath.normpath(lora.adapter_dir)
+        mount = ModelMount(
+            path=path,
+            volumes=[{"name": LORA_ADAPTERS_VOLUME, "hostPath": {"path": path, "type": "Directory"}}],
+            mounts=[{"name": LORA_ADAPTERS_VOLUME, "mountPath": path, "readOnly": True}],
+        )
+    if lora.adapter_claim:
+        claim = claim_mount(lora.adapter_claim, "", LORA_ADAPTER_CLAIM)
+        mount.volumes += claim.volumes
+        mount.mounts += claim.mounts
+    return mount
 
 
 def _resources(spec: InferenceServiceSpec) -> dict:
