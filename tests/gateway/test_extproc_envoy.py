@@ -46,6 +46,7 @@ from .test_gateway import (
     MASTER,
     GatewayHandle,
     HandSetFleet,
+    RawReplica,
     assert_error,
     chat_body,
     engines,
@@ -319,50 +320,22 @@ def test_an_engine_that_refuses_connections_is_a_503_through_envoy_and_frees_its
         dead.close()
 
 
-class FailingReplica:
+class FailingReplica(RawReplica):
     """A replica that fails each request before answering it: `refuse` (bound, never listening), `reset`
     (reads the request, then resets the connection: an engine killed while the request waited in its
-    queue) or `busy` (answers 503, as a full or draining engine does). GETs (the gateway's own lookups)
-    get a 404."""
+    queue) or `busy` (answers 503, as a full or draining engine does)."""
 
     def __init__(self, mode: str) -> None:
-        self.mode, self.served = mode, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        if mode != "refuse":
-            self.sock.listen(16)
-            threading.Thread(target=self._serve, daemon=True).start()
+        self.mode = mode
+        super().__init__(listens=mode != "refuse")
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                got = conn.recv(65536)
-                if not got:
-                    return
-                data += got
-            if not data.startswith(b"POST"):
-                conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-                return
-            self.served += 1
-            if self.mode == "busy":
-                body = b'{"error": {"message": "busy", "type": "x", "param": null, "code": null}}'
-                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                             + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)  # fmt: skip
-            else:  # reset: SO_LINGER 0 makes close() send RST
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-
-    def close(self) -> None:
-        self.sock.close()
+    def respond(self, conn: socket.socket) -> None:
+        if self.mode == "busy":
+            body = b'{"error": {"message": "busy", "type": "x", "param": null, "code": null}}'
+            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                         + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)  # fmt: skip
+        else:  # reset: SO_LINGER 0 makes close() send RST
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 @pytest.mark.parametrize("mode", ["refuse", "reset", "busy"])

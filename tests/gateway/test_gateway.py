@@ -345,17 +345,19 @@ def test_a_service_at_zero_without_scale_from_zero_is_503_at_once(make_gateway):
 
 
 # -- replicas lost mid-request -------------------------------------------------------------------------------
-class CuttingReplica:
-    """A replica that answers 200 and sends `body` (SSE events, or part of a JSON body), then drops the
-    connection without ending the response: what a SIGKILLed or deleted engine pod does to a request."""
+class RawReplica:
+    """A hand-written replica on a raw socket: reads each request whole, answers the gateway's own GET
+    lookups (tokenizer, stats) with a 404, and each POST with `respond` (counted in `served`). Unless it
+    `listens`, its port is bound and refuses connections."""
 
-    def __init__(self, body: bytes, stream: bool) -> None:
-        self.body, self.stream, self.served = body, stream, 0
+    def __init__(self, listens: bool = True) -> None:
+        self.served = 0
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        if listens:
+            self.sock.listen(16)
+            threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
@@ -383,20 +385,35 @@ class CuttingReplica:
                 if not got:
                     return
                 rest += got
-            if not lines[0].startswith(b"POST"):  # the gateway's own lookups (tokenizer, stats): not here
+            if not lines[0].startswith(b"POST"):
                 conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
                 return
             self.served += 1
-            if self.stream:  # chunked, and never the last chunk
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n"
-                             + f"{len(self.body):x}\r\n".encode() + self.body + b"\r\n")  # fmt: skip
-            else:  # a content-length the body never reaches
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                             + f"content-length: {len(self.body) + 100}\r\n\r\n".encode() + self.body)  # fmt: skip
+            self.respond(conn)
+
+    def respond(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self.sock.close()
+
+
+class CuttingReplica(RawReplica):
+    """A replica that answers 200 and sends `body` (SSE events, or part of a JSON body), then drops the
+    connection without ending the response: what a SIGKILLed or deleted engine pod does to a request."""
+
+    def __init__(self, body: bytes, stream: bool) -> None:
+        self.body, self.stream = body, stream
+        super().__init__()
+
+    def respond(self, conn: socket.socket) -> None:
+        if self.stream:  # chunked, and never the last chunk
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n"
+                         + f"{len(self.body):x}\r\n".encode() + self.body + b"\r\n")  # fmt: skip
+        else:  # a content-length the body never reaches
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         + f"content-length: {len(self.body) + 100}\r\n\r\n".encode() + self.body)  # fmt: skip
 
 
 def _chat_event(delta: dict, finish: str | None = None) -> bytes:

@@ -192,6 +192,8 @@ def test_full_queue_is_429_with_retry_after(make_server):
         full = httpx.post(f"{server.url}/v1/completions", json=body, trust_env=False)
         error = assert_error(full, 429, None, "queue is full")
         assert error["code"] == "queue_full" and full.headers["retry-after"] == "1"
+        # Queued, with no output: its response has not started (a data plane could still retry it).
+        assert queued_status == []
         gate.set()
     waiter.join(60)
     assert queued_status == [200]  # it waited: the queue holds one
