@@ -417,7 +417,7 @@ def test_the_picker_down_is_a_clear_5xx_with_fail_close_and_passes_through_with_
     publisher = front.picker.endpoints
     assert publisher is not None
     # Both Envoys have applied the engines' endpoints (EDS) before the picker goes.
-    wait_for(lambda: len(publisher._subscribers) == 2 and address in (publisher.acked() or ()),
+    wait_for(lambda: publisher.subscribers == 2 and address in (publisher.acked() or ()),
              what="both Envoys to apply the engines' endpoints")  # fmt: skip
     assert post(front, chat_body("up")).status_code == 200
     stopped = threading.Event()

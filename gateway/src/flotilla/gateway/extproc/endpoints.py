@@ -94,6 +94,10 @@ class EndpointPublisher:
         with contextlib.suppress(RuntimeError):  # no running loop yet: nobody waits
             asyncio.get_running_loop().create_task(self._notify())
 
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
     def acked(self) -> frozenset[str] | None:
         """The addresses every subscribed Envoy has applied; None when no Envoy subscribes."""
         if not self._subscribers:

@@ -1,6 +1,8 @@
-"""Envoy's bootstrap for Flotilla's data plane, as GIE's reference deployment wires it: one listener whose
-HTTP filters are ext_proc (to the picker, over gRPC) and the router; the router's cluster is an original
-destination cluster keyed on the header the picker sets, so Envoy connects to exactly the engine picked.
+"""Envoy's bootstrap for Flotilla's data plane: one listener whose HTTP filters are ext_proc (to the picker,
+over gRPC) and the router, as GIE's reference deployment wires it; the router's cluster holds the engines the
+picker serves over EDS, balanced by override-host on the pick (and its fallback, for one retry), so Envoy
+connects to exactly the engine picked. (GIE's reference uses an original-destination cluster, which can
+neither retry elsewhere nor refuse an address the picker did not list.)
 Pure: a dict, printed as JSON (which is YAML) by `flotilla gateway envoy-config`.
 
 The processing mode: request headers SEND (API key, declared size: refused before the body is read), request

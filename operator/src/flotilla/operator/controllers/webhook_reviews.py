@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -68,6 +68,23 @@ LEDGER_BUSY = 429
 UNCHARGED = ("NotRaised", "Unchanged")
 
 
+def _until_written(attempt: Callable[[], bool | None], who: str, what: str, denial_label: str) -> None:
+    """Runs `attempt` until its conditional write to the ledger lands. Each attempt decides on a fresh read
+    and raises to refuse; it returns None when there is nothing to write, else whether its write landed
+    (False: another review of the same ledger wrote first, so decide again on what that one wrote). A little
+    jitter keeps a burst of reviews from colliding round after round; after MAX_ATTEMPTS a retryable
+    refusal, never a guess."""
+    for tries in range(MAX_ATTEMPTS):
+        if attempt() is not False:
+            return
+        time.sleep(random.uniform(0, 0.02 * (tries + 1)))
+    DENIALS.labels(denial_label, "LedgerBusy").inc()
+    raise kopf.AdmissionError(
+        f"{who}: {MAX_ATTEMPTS} concurrent reviews {what} before this one; nothing was admitted, retry the request",
+        code=LEDGER_BUSY,
+    )
+
+
 @kopf.on.validate(*ISVC, id="quota", operations=["CREATE", "UPDATE"])
 def admit_service(body, old, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **_) -> None:
     old_spec = (old or {}).get("spec") if old else None
@@ -98,7 +115,8 @@ def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) ->
     except ValueError as exc:
         DENIALS.labels(name, INVALID_TENANT).inc()
         raise kopf.AdmissionError(f"tenant {name}: {exc}", code=422) from exc
-    for attempt in range(MAX_ATTEMPTS):
+
+    def attempt() -> bool | None:
         world = ledger.world()
         data, version = ledger.read_claims()
         now = time.time()
@@ -110,17 +128,11 @@ def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) ->
             DENIALS.labels(name, TENANT_CONFLICT).inc()
             raise kopf.AdmissionError("; ".join(problems), code=422)
         if dryrun:
-            return
+            return None
         claims = {**pending, name: (spec.to_wire(), now + RESERVATION_TTL_SECONDS)}
-        if ledger.write_claims(claims_data(claims), version):
-            return
-        time.sleep(random.uniform(0, 0.02 * (attempt + 1)))
-    DENIALS.labels(name, "LedgerBusy").inc()
-    raise kopf.AdmissionError(
-        f"tenant {name}: {MAX_ATTEMPTS} concurrent Tenant reviews wrote their claims before this one; "
-        "nothing was admitted, retry the request",
-        code=LEDGER_BUSY,
-    )
+        return ledger.write_claims(claims_data(claims), version)
+
+    _until_written(attempt, f"tenant {name}", "of Tenants wrote their claims", name)
 
 
 def _stored_service(memo: kopf.Memo, namespace: str, name: str) -> dict | None:
@@ -175,12 +187,13 @@ def _admit_adapter(ledger: QuotaLedger, key: Key, uid: str, dryrun: bool) -> Non
     """The Tenant's maxLoRAAdapters on a create: counted over its stored adapters and its live adapter
     reservations, and the admitted create reserved in the tenant's ConfigMap, as `_admit` does for GPUs."""
     namespace, name = key
-    for attempt in range(MAX_ATTEMPTS):
+
+    def attempt() -> bool | None:
         world = ledger.world()
         tenant = owner_of(namespace, world.tenants, world.labels).tenant
         limit = world.tenants[tenant].max_lora_adapters if tenant in world.tenants else None
         if tenant is None or limit is None:
-            return
+            return None
         # The reservations first, then the stored adapters (tenancy/reservations.py says why).
         reserved, version = ledger.read(tenant)
         owned = set(namespaces_owned(tenant, world.tenants, world.labels))
@@ -195,17 +208,13 @@ def _admit_adapter(ledger: QuotaLedger, key: Key, uid: str, dryrun: bool) -> Non
             DENIALS.labels(tenant, "MaxLoRAAdaptersExceeded").inc()
             raise kopf.AdmissionError(refusal, code=403)
         if dryrun:
-            return
+            return None
         mine = AdapterReservation(key, uid, now + RESERVATION_TTL_SECONDS)
         updated = reserved.unexpired(now).with_adapters([*(a for a in pending if a.key != key), mine])
-        if ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version):
-            return
-        time.sleep(random.uniform(0, 0.02 * (attempt + 1)))
-    DENIALS.labels("", "LedgerBusy").inc()
-    raise kopf.AdmissionError(
-        f"LoRAAdapter {namespace}/{name}: {MAX_ATTEMPTS} concurrent reviews of the same tenant's limits won "
-        "the reservation before this one; nothing was admitted, retry the request",
-        code=LEDGER_BUSY,
+        return ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version)
+
+    _until_written(
+        attempt, f"LoRAAdapter {namespace}/{name}", "of the same tenant's limits won the reservation", ""
     )
 
 
@@ -224,7 +233,8 @@ def _admit(
     key = (namespace, name)
     if old_raw is not None and (new_raw or {}) == old_raw:
         return  # the operator's own writes (annotations, finalizers, status): no charge changes, no reads
-    for attempt in range(MAX_ATTEMPTS):
+
+    def attempt() -> bool | None:
         world = ledger.world()
         claim = owner_of(namespace, world.tenants, world.labels)
         tenant = claim.tenant
@@ -246,20 +256,16 @@ def _admit(
             DENIALS.labels(tenant or "", verdict.reason).inc()
             raise kopf.AdmissionError(verdict.message, code=verdict.code)
         if dryrun or held is None or tenant is None or verdict.reason in UNCHARGED:
-            return
+            return None
         mine = Reservation(held, uid, now + RESERVATION_TTL_SECONDS)
         updated = reserved.unexpired(now).with_services([*(r for r in reservations if r.key != key), mine])
-        if ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version):
+        written = ledger.write(tenant, world.tenant_uids.get(tenant, ""), updated, version)
+        if written:
             failpoints.reached("admission.reserved")
-            return
-        # Another review of this tenant wrote first: decide again on what it reserved. A little jitter
-        # keeps a burst of reviews from colliding round after round.
-        time.sleep(random.uniform(0, 0.02 * (attempt + 1)))
-    DENIALS.labels("", "LedgerBusy").inc()
-    raise kopf.AdmissionError(
-        f"InferenceService {namespace}/{name}: {MAX_ATTEMPTS} concurrent reviews of the same tenant's quota "
-        "won the reservation before this one; nothing was admitted or charged, retry the request",
-        code=LEDGER_BUSY,
+        return written
+
+    _until_written(
+        attempt, f"InferenceService {namespace}/{name}", "of the same tenant's quota won the reservation", ""
     )
 
 
