@@ -353,7 +353,7 @@ def _under_streams(fleet: Fleet, fault: Callable[[], None], label: str) -> list[
 
 def _gateway_retries(fleet: Fleet) -> float:
     assert fleet.gateway is not None
-    text = httpx.get(fleet.gateway.url + "/metrics", timeout=10, trust_env=False).text
+    text = httpx.get(fleet.gateway.metrics_url, timeout=10, trust_env=False).text
     return sum(
         s.value
         for f in text_string_to_metric_families(text)

@@ -25,6 +25,7 @@ import pytest
 from flotilla.contract import (
     DESTINATION_ENDPOINT_HEADER,
     GATEWAY_REQUESTS,
+    GATEWAY_RETRIES,
     GATEWAY_ROUTING_DECISIONS,
     HEADER_INTERNAL_TOKEN,
     HEADER_TENANT,
@@ -355,6 +356,8 @@ def test_a_replica_that_fails_before_answering_is_retried_by_envoy_on_the_picks_
         assert total(engines[0].url, counter_total(REQUEST_SUCCESS)) == 4  # all served by the live one
         retried = envoy_stat(front.envoy, "upstream_rq_retry")
         assert 1 <= retried <= 4, retried  # round robin picked the failing one first, some of the time
+        # The picker counts them (Envoy's attempt count on the response), as the relay counts its own.
+        assert total(front.metrics_url, counter_total(GATEWAY_RETRIES)) == retried
         if mode != "refuse":
             assert failing.served == retried
         wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
@@ -405,6 +408,28 @@ def test_a_request_at_zero_replicas_is_held_by_the_picker_then_served(engines, m
     waiting.join(60)
     assert results["held"].status_code == 200, results["held"].text
     assert envoy_stat(front.envoy, "ext_proc_message_timeouts") == 0
+
+
+def test_held_requests_time_out_with_503_and_a_full_queue_or_quota_is_429_through_envoy(make_front):
+    """The relay's refusals of a held request, answered through Envoy: the hold's timeout (503), the hold
+    queue full (429), the quota refusing the replica it waits for (429)."""
+    cold = service("chat", [], min_replicas=0, desired_replicas=0)
+    front = make_front(HandSetFleet([cold]), {"message_timeout": MESSAGE_TIMEOUT}, hold_timeout=0.2, max_held=1)
+    timed_out = post(front, chat_body("anyone?"))
+    assert_error(timed_out, 503, "no_replica_ready", "0.2s")
+    assert timed_out.headers["Retry-After"]
+
+    slow = make_front(HandSetFleet([cold]), {"message_timeout": MESSAGE_TIMEOUT}, hold_timeout=30, max_held=1)
+    first = threading.Thread(target=lambda: post(slow, chat_body("first")))
+    first.start()
+    wait_for(lambda: slow.handle.gateway.holds.held("ns-team-a/chat") == 1, what="the first request held")
+    assert_error(post(slow, chat_body("second")), 429, "hold_queue_full", "1 requests already wait")
+    refused = replace(cold, quota_refusal="tenant team-a: 1 of 1 GPUs in use")
+    fleet = slow.handle.fleet
+    slow.handle.call_soon(lambda: (fleet.set_services([refused]), fleet.changed()))  # type: ignore[attr-defined]
+    first.join(30)
+    assert_error(post(slow, chat_body("third")), 429, "insufficient_quota", "1 of 1 GPUs in use")
+    wait_for(lambda: slow.in_flight() == {}, what="no engine counted in flight")
 
 
 # -- the picker down -----------------------------------------------------------------------------------------

@@ -151,6 +151,8 @@ def bootstrap(
                 "virtual_hosts": [{
                     "name": "openai",
                     "domains": ["*"],
+                    # The picker counts the retries (flotilla_gateway_retries) from this response header.
+                    "include_attempt_count_in_response": True,
                     "routes": [{
                         "match": {"prefix": "/"},
                         "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s",
