@@ -414,7 +414,9 @@ def test_held_requests_time_out_with_503_and_a_full_queue_or_quota_is_429_throug
     """The relay's refusals of a held request, answered through Envoy: the hold's timeout (503), the hold
     queue full (429), the quota refusing the replica it waits for (429)."""
     cold = service("chat", [], min_replicas=0, desired_replicas=0)
-    front = make_front(HandSetFleet([cold]), {"message_timeout": MESSAGE_TIMEOUT}, hold_timeout=0.2, max_held=1)
+    front = make_front(
+        HandSetFleet([cold]), {"message_timeout": MESSAGE_TIMEOUT}, hold_timeout=0.2, max_held=1
+    )
     timed_out = post(front, chat_body("anyone?"))
     assert_error(timed_out, 503, "no_replica_ready", "0.2s")
     assert timed_out.headers["Retry-After"]

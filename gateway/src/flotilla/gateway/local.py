@@ -55,7 +55,8 @@ class GatewayProcess:
         wait_for(self.healthy, timeout, f"the gateway's /health (log: {self.log_path})")
         envoy_log = self.log_path.with_name(self.log_path.stem + "-envoy.log")
         self.envoy = EnvoyProcess(
-            bootstrap(picker_host="127.0.0.1", picker_port=self.picker_port, hold_timeout=HOLD_TIMEOUT), envoy_log
+            bootstrap(picker_host="127.0.0.1", picker_port=self.picker_port, hold_timeout=HOLD_TIMEOUT),
+            envoy_log,
         )
         self.envoy.start(timeout)
         self.url = self.envoy.url
