@@ -365,6 +365,44 @@ def test_a_replica_that_fails_before_answering_is_retried_by_envoy_on_the_picks_
         failing.close()
 
 
+class GatedResetReplica(FailingReplica):
+    """Resets `count` requests at the same moment, once all of them have arrived: an engine killed with a
+    queue full of requests, whose retries all reach Envoy at once."""
+
+    def __init__(self, count: int) -> None:
+        self.gate = threading.Barrier(count, timeout=60)
+        super().__init__("reset")
+
+    def respond(self, conn: socket.socket) -> None:
+        self.gate.wait()
+        super().respond(conn)
+
+
+def test_a_burst_of_requests_reset_at_once_is_retried_whole(engines, make_front):
+    """Envoy's clusters allow 3 concurrent retries unless told otherwise (a circuit breaker): the engines'
+    cluster allows one per request, so a replica that dies with many requests queued loses none."""
+    burst = 8
+    failing = GatedResetReplica(burst)
+    try:
+        front = make_front(
+            HandSetFleet([service("chat", [failing.url, engines[0].url])]), routing="round-robin"
+        )
+        answers: list[httpx.Response] = []
+        threads = [
+            threading.Thread(target=lambda i=i: answers.append(post(front, chat_body(f"burst {i}"))))
+            for i in range(2 * burst)
+        ]  # fmt: skip  (round robin sends every other one to the failing)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(a.status_code for a in answers) == [200] * 2 * burst, [a.text for a in answers]
+        assert failing.served == burst and envoy_stat(front.envoy, "upstream_rq_retry") == burst
+        assert envoy_stat(front.envoy, "upstream_rq_retry_overflow") == 0
+    finally:
+        failing.close()
+
+
 # -- the protocol: subset hint, empty pool, holding --------------------------------------------------------
 def test_the_subset_hint_is_obeyed_and_a_subset_with_no_ready_endpoint_is_503(
     engines, make_front, make_envoy
