@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flotilla.bench.gateway import routing
 from flotilla.bench.gateway.figures import (
     CLIENT_BOUND_SHARE,
     ChatRecord,
@@ -270,6 +271,10 @@ def test_bench_flags_parse() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gateway", "bench", "overhead", "--data-plane", "nginx"])
     assert data_planes("both") == ("relay", "envoy") and data_planes("envoy") == ("envoy",)
+    assert routing.data_planes("both") == ("envoy", "relay") and routing.data_planes("relay") == ("relay",)
+    # a run is named by its policy alone with one data plane, by both with several (logs, PNG)
+    assert routing.run_label("prefix", "envoy", ("envoy",)) == "prefix"
+    assert routing.run_label("prefix", "relay", ("envoy", "relay")) == "prefix (relay)"
 
 
 def test_stub_answers() -> None:
