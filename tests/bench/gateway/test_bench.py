@@ -232,6 +232,13 @@ def test_format_overhead_shows_both_planes_and_the_verdicts() -> None:
     alone = format_overhead(_overhead_report(("envoy",)))
     assert "through the relay" not in alone and "over the relay" not in alone
     json.dumps(json_safe(_overhead_report(("relay", "envoy"))))  # the JSON it is written as
+    assert "warning" not in text
+    bound = _overhead_report(("relay", "envoy"))
+    slow = throughput_summary([0.001] * 7000, 0, 1.0, 32)
+    bound["throughput"]["comparison"] = ceiling_comparison(
+        {p: bound["throughput"][p] for p in ("relay", "envoy")}, slow, 5.0
+    )
+    assert "warning: Envoy + picker came within 70% of the client's own ceiling" in format_overhead(bound)
 
 
 def test_commands_use_this_interpreter_and_the_contract() -> None:

@@ -332,8 +332,10 @@ def format_overhead(report: Mapping[str, Any]) -> str:
             f"(target >= {comparison['target_ratio']:g}x: {_verdict(comparison['met'])})"
         )
     for plane in comparison["client_bound"]:
-        lines.append(f"warning: {DATA_PLANE_NAMES.get(plane, plane)} came within "
-                     f"{CLIENT_BOUND_SHARE:.0%} of the client's own ceiling: its figure is a floor, not its ceiling")  # fmt: skip
+        lines.append(
+            f"warning: {DATA_PLANE_NAMES.get(plane, plane)} came within {CLIENT_BOUND_SHARE:.0%} of the "
+            "client's own ceiling: its figure is a floor, not its ceiling"
+        )
     return "\n".join(lines)
 
 

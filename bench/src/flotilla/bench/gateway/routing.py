@@ -150,8 +150,8 @@ def run_routing(args: argparse.Namespace) -> int:
         for plane in planes
         for p, summary in results[plane]["policies"].items()
     }
-    png = plot_routing({run_label(p, plane, planes): rs for plane in planes for p, rs in requests[plane].items()},
-                       flat, out / "routing.png")  # fmt: skip
+    runs = {run_label(p, plane, planes): rs for plane in planes for p, rs in requests[plane].items()}
+    png = plot_routing(runs, flat, out / "routing.png")
     progress(f"wrote {json_path}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
     failed = [s["failed"] for result in results.values() for s in result["policies"].values()]
     return 0 if not any(failed) else 1
@@ -225,8 +225,8 @@ def run_policy(
     ]
     urls = [e.url for e in engines]
     envoy = plane == "envoy"
-    gateway = Proc(f"{label} gateway", gateway_argv({SERVED_NAME: urls}, policy, gateway_port, picker_port if envoy else None),
-                   gateway_port, out / f"{logs}-gateway.log")  # fmt: skip
+    argv = gateway_argv({SERVED_NAME: urls}, policy, gateway_port, picker_port if envoy else None)
+    gateway = Proc(f"{label} gateway", argv, gateway_port, out / f"{logs}-gateway.log")
     started: list[Proc] = []
     try:
         progress(f"{label}: starting {len(engines)} engines (logs: {out}/{logs}-engine-*.log)")
