@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from flotilla.bench.gateway.figures import (
     added_latency,
     ceiling_comparison,
     compare_policies,
+    cpu_shares,
     distribution,
     format_overhead,
     format_routing,
@@ -28,7 +30,14 @@ from flotilla.bench.gateway.figures import (
     throughput_summary,
 )
 from flotilla.bench.gateway.overhead import data_planes
-from flotilla.bench.gateway.procs import PYTHON_CLI, engine_argv, envoy_argv, envoy_config_argv, gateway_argv
+from flotilla.bench.gateway.procs import (
+    PYTHON_CLI,
+    cpu_seconds,
+    engine_argv,
+    envoy_argv,
+    envoy_config_argv,
+    gateway_argv,
+)
 from flotilla.bench.gateway.stub import answer
 from flotilla.bench.gateway.workload import chat_messages, longest_prompt_words, make_workload
 from flotilla.cli import build_parser
@@ -209,6 +218,17 @@ def test_ceiling_comparison_against_the_target() -> None:
     assert t["requests_per_s"] == 250.0 and t["errors"] == 1 and t["latency_ms"]["p50"] == pytest.approx(10.0)
 
 
+def test_cpu_shares_of_one_core() -> None:
+    shares = cpu_shares(
+        {"envoy": 10.0, "picker": 20.0, "gone": None}, {"envoy": 10.5, "picker": 21.8, "gone": 3.0}, 2.0
+    )
+    assert shares == {"envoy": pytest.approx(0.25), "picker": pytest.approx(0.9), "gone": None}
+    assert cpu_shares({"a": 1.0}, {"a": 2.0}, 0.0) == {"a": None}
+    mine = cpu_seconds(os.getpid())
+    assert mine is not None and mine > 0
+    assert cpu_seconds(None) is None
+
+
 def _overhead_report(planes: tuple[str, ...]) -> dict:
     targets = {"relay": {"p50": 2.0}, "envoy": {"p50": 1.0, "p99": 5.0}}
     samples = {"direct": [0.010] * 5, "relay": [0.013] * 5, "envoy": [0.0105] * 5}
@@ -216,6 +236,8 @@ def _overhead_report(planes: tuple[str, ...]) -> dict:
     latency.update(errors=0)
     loops = {"relay": [0.01] * 1000, "envoy": [0.002] * 6000}
     throughput: dict = {p: throughput_summary(loops[p], 0, 1.0, 32) for p in planes}
+    if "envoy" in planes:
+        throughput["envoy"]["cpu_share"] = {"envoy": 0.25, "picker": 0.75}
     client = throughput_summary([0.001] * 20000, 0, 1.0, 32)
     throughput.update(stub_direct=client, comparison=ceiling_comparison(throughput, client, 5.0))
     return {"settings": {"gateway_cpu": 1}, "latency": latency, "latency_instant_upstream": latency,
@@ -229,6 +251,7 @@ def test_format_overhead_shows_both_planes_and_the_verdicts() -> None:
     assert "p50 3.000 ms (target <= 2 ms: MISSED)" in text
     assert "Envoy + picker over the relay: 6.00x (target >= 5x: MET)" in text
     assert "1000 requests/s" in text and "6000 requests/s" in text
+    assert "of the core: envoy 25%, picker 75%" in text
     alone = format_overhead(_overhead_report(("envoy",)))
     assert "through the relay" not in alone and "over the relay" not in alone
     json.dumps(json_safe(_overhead_report(("relay", "envoy"))))  # the JSON it is written as

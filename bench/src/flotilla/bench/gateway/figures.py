@@ -261,6 +261,18 @@ def throughput_summary(
     }
 
 
+def cpu_shares(
+    before: Mapping[str, float | None], after: Mapping[str, float | None], wall_s: float
+) -> dict[str, float | None]:
+    """Each process's CPU time over a run of `wall_s` seconds, as a share of one core (None when either
+    reading is missing)."""
+    shares: dict[str, float | None] = {}
+    for name, end in after.items():
+        begin = before.get(name)
+        shares[name] = None if begin is None or end is None else ratio(end - begin, wall_s)
+    return shares
+
+
 def ceiling_comparison(
     planes: Mapping[str, Mapping[str, Any]], client: Mapping[str, Any], target: float
 ) -> dict[str, Any]:
@@ -321,7 +333,7 @@ def format_overhead(report: Mapping[str, Any]) -> str:
             f"throughput through {DATA_PLANE_NAMES.get(plane, plane)} pinned to CPU {settings['gateway_cpu']}: "
             f"{_num(t['requests_per_s'], '.0f')} requests/s at concurrency {t['concurrency']} (latency p50 "
             f"{_num(t['latency_ms']['p50'], '.2f')} ms, p99 {_num(t['latency_ms']['p99'], '.2f')} ms, "
-            f"{t['errors']} errors)"
+            f"{t['errors']} errors)" + _shares(t.get("cpu_share"))
         )
     comparison = thr["comparison"]
     lines.append(f"the same client straight to the stub: {_num(comparison['client_requests_per_s'], '.0f')} "
@@ -337,6 +349,11 @@ def format_overhead(report: Mapping[str, Any]) -> str:
             "client's own ceiling: its figure is a floor, not its ceiling"
         )
     return "\n".join(lines)
+
+
+def _shares(shares: Mapping[str, float | None] | None) -> str:
+    known = {name: share for name, share in (shares or {}).items() if share is not None}
+    return f"; of the core: {', '.join(f'{n} {v:.0%}' for n, v in known.items())}" if known else ""
 
 
 def _num(value: Any, spec: str) -> str:

@@ -30,12 +30,13 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flotilla.bench.gateway.figures import (
     ceiling_comparison,
+    cpu_shares,
     distribution,
     format_overhead,
     json_safe,
@@ -49,6 +50,7 @@ from flotilla.bench.gateway.procs import (
     Proc,
     StartupError,
     available_cpus,
+    cpu_seconds,
     engine_argv,
     ensure_model,
     envoy_proc,
@@ -78,11 +80,13 @@ def data_planes(choice: str) -> tuple[str, ...]:
 
 @dataclass
 class Front:
-    """Where clients send for one data plane, and the gateway process whose /metrics counts its picks."""
+    """Where clients send for one data plane, the gateway process whose /metrics counts its picks, and the
+    processes pinned to the data plane's CPU (whose CPU time the throughput run reads)."""
 
     plane: str
     port: int
     metrics_url: str
+    procs: list[Proc] = field(default_factory=list)
 
 
 def body(model: str) -> bytes:
@@ -119,12 +123,12 @@ def run_overhead(args: argparse.Namespace) -> int:
         relay = Proc("relay", gateway_argv(models, args.routing, relay_port), relay_port,
                      out / "overhead-relay.log", cpus=[gateway_cpu])  # fmt: skip
         gateways.append(relay)
-        fronts["relay"] = Front("relay", relay_port, relay.url + METRICS_PATH)
+        fronts["relay"] = Front("relay", relay_port, relay.url + METRICS_PATH, [relay])
     if "envoy" in planes:
         picker = Proc("picker", gateway_argv(models, args.routing, picker_http_port, picker_port),
                       picker_http_port, out / "overhead-picker.log", cpus=[gateway_cpu])  # fmt: skip
         gateways.append(picker)
-        fronts["envoy"] = Front("envoy", envoy_port, picker.url + METRICS_PATH)
+        fronts["envoy"] = Front("envoy", envoy_port, picker.url + METRICS_PATH, [picker])
     started: list[Proc] = []
     try:
         progress(f"starting an engine, the stub (CPUs {others}) and {' and '.join(_named(p) for p in planes)} "
@@ -138,6 +142,7 @@ def run_overhead(args: argparse.Namespace) -> int:
                                concurrency=ENVOY_CONCURRENCY, cpus=[gateway_cpu])  # fmt: skip
             started.append(envoy.start())
             wait_healthy([envoy], args.startup_timeout)
+            fronts["envoy"].procs.insert(0, envoy)
         latency = asyncio.run(measure_latency(engine_port, fronts, ENGINE_MODEL, "engine", args))
         progress("stopping the engine (the rest needs only the stub)")
         engine.stop()
@@ -177,6 +182,10 @@ def run_overhead(args: argparse.Namespace) -> int:
     progress(f"wrote {path}")
     failed = latency["errors"] + instant["errors"] + sum(throughput[p]["errors"] for p in planes)
     return 0 if failed == 0 else 1
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _named(plane: str) -> str:
@@ -275,8 +284,15 @@ def measure_throughput(
             progress(
                 f"throughput: {args.concurrency} clients through {_named(plane)} for {args.duration:g} s"
             )
+            before, start = {p.name: cpu_seconds(p.pid) for p in front.procs}, time.perf_counter()
             results[plane] = asyncio.run(closed_loop(front.port, args.concurrency, args.duration))
-            progress(f"throughput: {results[plane]['requests_per_s']:.0f} requests/s through {_named(plane)}")
+            wall = time.perf_counter() - start
+            results[plane]["cpu_share"] = cpu_shares(
+                before, {p.name: cpu_seconds(p.pid) for p in front.procs}, wall
+            )
+            shares = ", ".join(f"{name} {_pct(v)}" for name, v in results[plane]["cpu_share"].items())
+            progress(f"throughput: {results[plane]['requests_per_s']:.0f} requests/s through {_named(plane)} "
+                     f"(of its core: {shares})")  # fmt: skip
         progress(f"throughput: the same loop straight to the stub for {STUB_DIRECT_SECONDS:g} s "
                  "(the client's own ceiling)")  # fmt: skip
         direct = asyncio.run(closed_loop(stub_port, args.concurrency, STUB_DIRECT_SECONDS))

@@ -256,5 +256,17 @@ def model_context(model: Path) -> int:
     return int(config.get("max_position_embeddings") or 2048)
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time (user + system, all its threads) process `pid` has used; None when it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command's name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
 def available_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
