@@ -14,8 +14,9 @@ on the bootstrap `flotilla gateway envoy-config` prints). `both` (the default) m
 2. Throughput ceiling on one core. The relay, and Envoy (`--concurrency 1`) with the picker's process,
    each pinned to the same CPU (os.sched_setaffinity in the child), in front of a stub upstream that answers
    at once (stub.py; the engine would be the bottleneck); `--concurrency` closed-loop clients on their own
-   keep-alive connections for `--duration` seconds: requests/s, and Envoy + picker's over the relay's
-   against the target (>= 5x). The client and the stub run on the other CPUs; the same loop straight to the
+   keep-alive connections for `--duration` seconds: requests/s, each pinned process's share of the core
+   (its CPU time over the loop), and Envoy + picker's requests/s over the relay's against the target
+   (>= 5x). The client and the stub run on the other CPUs; the same loop straight to the
    stub shows the ceiling of the client and stub themselves, which must be well above a data plane's for
    the figure to be the data plane's (the report warns when it is not).
 
