@@ -45,11 +45,13 @@ from ..engine.server.conftest import MODEL_NAME, wait_for
 from .test_gateway import (
     KEY_A,
     MASTER,
+    CuttingReplica,
     GatewayHandle,
     HandSetFleet,
     RawReplica,
     assert_error,
     chat_body,
+    chat_event,
     engines,
     make_gateway,
     post,
@@ -401,6 +403,48 @@ def test_a_burst_of_requests_reset_at_once_is_retried_whole(engines, make_front)
         assert envoy_stat(front.envoy, "upstream_rq_retry_overflow") == 0
     finally:
         failing.close()
+
+
+class CutOnCue(CuttingReplica):
+    """Sends its events, then drops the connection once told to (when the client has read them): an engine
+    killed mid-stream."""
+
+    def __init__(self, body: bytes) -> None:
+        self.cue = threading.Event()
+        super().__init__(body, stream=True)
+
+    def respond(self, conn: socket.socket) -> None:
+        super().respond(conn)
+        self.cue.wait(60)
+
+
+def test_a_stream_cut_after_its_first_tokens_never_looks_complete_through_envoy(make_front):
+    """After output has reached the client nothing can be retried, and Envoy cannot write an error event
+    for an upstream that is gone: the client must see the cut (no [DONE]), and Envoy counts it."""
+    parts = ("", "Hel", "lo")
+    cutter = CutOnCue(b"".join(chat_event({"content": part}) for part in parts))
+    try:
+        front = make_front(HandSetFleet([service("chat", [cutter.url])]))
+        body = chat_body("cut me", max_tokens=10, stream=True)
+        data: list[str] = []
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        url = front.url + "/v1/chat/completions"
+        with (
+            pytest.raises(httpx.RemoteProtocolError),  # the chunked body never ends
+            httpx.stream("POST", url, json=body, timeout=60, trust_env=False, headers=headers) as rsp,
+        ):
+            assert rsp.status_code == 200
+            for line in rsp.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                if len(data) == len(parts):
+                    cutter.cue.set()
+        assert [json.loads(d)["choices"][0]["delta"]["content"] for d in data] == list(parts)
+        assert envoy_stat(front.envoy, "upstream_cx_destroy_remote_with_active_rq") >= 1
+        wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
+    finally:
+        cutter.cue.set()
+        cutter.close()
 
 
 # -- the protocol: subset hint, empty pool, holding --------------------------------------------------------
