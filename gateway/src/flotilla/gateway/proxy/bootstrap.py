@@ -32,6 +32,9 @@ from typing import Any, Literal
 from flotilla.contract import (
     DESTINATION_ENDPOINT_HEADER,
     DESTINATION_METADATA_NAMESPACE,
+    ENVOY_CLIENTS_PREFIX,
+    ENVOY_ENGINES_CLUSTER,
+    ENVOY_STATS_PATH,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
 )
@@ -40,12 +43,12 @@ from flotilla.gateway.config import DEFAULT_MAX_BODY_BYTES, HOLD_MARGIN_SECONDS
 BodyMode = Literal["BUFFERED", "FULL_DUPLEX_STREAMED"]
 FailureMode = Literal["FailClose", "FailOpen"]
 FAILURE_MODES: tuple[FailureMode, ...] = ("FailClose", "FailOpen")
-PICKER_CLUSTER, ENGINES_CLUSTER, ADMIN_CLUSTER = "flotilla_picker", "flotilla_engines", "flotilla_admin"
-# The connection managers' stat prefixes: Envoy's downstream series carry them as
-# `envoy_http_conn_manager_prefix` (the dashboards read the clients' listener's only).
-LISTENER_STAT_PREFIX, STATS_STAT_PREFIX = "flotilla", "flotilla_stats"
+# The engines' cluster and the clients' connection manager name Envoy's series the dashboards read (their
+# `envoy_cluster_name` and `envoy_http_conn_manager_prefix`): the contract's names.
+PICKER_CLUSTER, ENGINES_CLUSTER, ADMIN_CLUSTER = "flotilla_picker", ENVOY_ENGINES_CLUSTER, "flotilla_admin"
+LISTENER_STAT_PREFIX, STATS_STAT_PREFIX = ENVOY_CLIENTS_PREFIX, "flotilla_stats"
 # What the stats listener passes to the admin: Envoy's series for Prometheus, and readiness for probes.
-STATS_PATHS = ("/stats/prometheus", "/ready")
+STATS_PATHS = (ENVOY_STATS_PATH, "/ready")
 BUFFER_MARGIN = 64 * 1024  # bytes of listener buffer above the body limit: headers, and the 413's own read
 # The status Envoy answers when the picker cannot be reached (FailClose): the service is unavailable, and
 # an OpenAI client retries it.
