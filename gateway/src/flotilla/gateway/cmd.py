@@ -1,8 +1,9 @@
 """`flotilla gateway run`: the OpenAI front door for every InferenceService (with `--picker-port`, also the
 endpoint picker Envoy asks over ext_proc); `flotilla gateway envoy-config` and `envoy`: Envoy's bootstrap for
-that picker, and Envoy run on it; `flotilla gateway envoy-drain`: Envoy's graceful stop (the pod's preStop); `flotilla gateway key`: a new
-API key for a tenant, stored hashed in a Secret the gateway reads. (`flotilla gateway bench
-routing|overhead`, the gateway measured against real engines, is flotilla-bench's: flotilla.bench.gateway.)
+that picker, and Envoy run on it; `flotilla gateway envoy-drain`: Envoy's graceful stop (the chart pod's
+preStop); `flotilla gateway key`: a new API key for a tenant, stored hashed in a Secret the gateway reads.
+(`flotilla gateway bench routing|overhead`, the gateway measured against real engines, is flotilla-bench's:
+flotilla.bench.gateway.)
 
 Import-light: the command functions import the server."""
 
