@@ -298,10 +298,15 @@ def _gateway_row():
         ),
         g.timeseries(
             "Retries before the first byte",
-            "Requests sent again to another replica per second: by Envoy to the pick's fallback (an engine "
-            "that refused, reset or answered 503 before its response), and by the relay.",
-            g.target(f"sum({rate(c.ENVOY_UPSTREAM_RQ_RETRY, _ENGINES)})", "Envoy"),
-            g.target(f"sum({rate(c.counter_total(c.GATEWAY_RETRIES), '')})", "relay"),
+            "Requests sent again to another replica per second (an engine that refused, reset or answered "
+            "503 before its response): the gateway's count by model (the relay's retries, and Envoy's to the "
+            "pick's fallback, which the picker reads from Envoy's attempt count), and Envoy's own count of "
+            "its retries to the engines, every model together.",
+            g.target(
+                f"sum by ({c.LABEL_MODEL}) ({rate(c.counter_total(c.GATEWAY_RETRIES), '')})",
+                f"{{{{{c.LABEL_MODEL}}}}}",
+            ),
+            g.target(f"sum({rate(c.ENVOY_UPSTREAM_RQ_RETRY, _ENGINES)})", "Envoy, all models"),
             unit="reqps",
             width=8,
         ),
