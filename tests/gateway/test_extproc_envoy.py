@@ -25,6 +25,7 @@ import pytest
 from flotilla.contract import (
     DESTINATION_ENDPOINT_HEADER,
     GATEWAY_REQUESTS,
+    GATEWAY_RETRIES,
     GATEWAY_ROUTING_DECISIONS,
     HEADER_INTERNAL_TOKEN,
     HEADER_TENANT,
@@ -44,11 +45,13 @@ from ..engine.server.conftest import MODEL_NAME, wait_for
 from .test_gateway import (
     KEY_A,
     MASTER,
+    CuttingReplica,
     GatewayHandle,
     HandSetFleet,
     RawReplica,
     assert_error,
     chat_body,
+    chat_event,
     engines,
     make_gateway,
     post,
@@ -355,11 +358,93 @@ def test_a_replica_that_fails_before_answering_is_retried_by_envoy_on_the_picks_
         assert total(engines[0].url, counter_total(REQUEST_SUCCESS)) == 4  # all served by the live one
         retried = envoy_stat(front.envoy, "upstream_rq_retry")
         assert 1 <= retried <= 4, retried  # round robin picked the failing one first, some of the time
+        # The picker counts them (Envoy's attempt count on the response), as the relay counts its own.
+        assert total(front.metrics_url, counter_total(GATEWAY_RETRIES)) == retried
         if mode != "refuse":
             assert failing.served == retried
         wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
     finally:
         failing.close()
+
+
+class GatedResetReplica(FailingReplica):
+    """Resets `count` requests at the same moment, once all of them have arrived: an engine killed with a
+    queue full of requests, whose retries all reach Envoy at once."""
+
+    def __init__(self, count: int) -> None:
+        self.gate = threading.Barrier(count, timeout=60)
+        super().__init__("reset")
+
+    def respond(self, conn: socket.socket) -> None:
+        self.gate.wait()
+        super().respond(conn)
+
+
+def test_a_burst_of_requests_reset_at_once_is_retried_whole(engines, make_front):
+    """Envoy's clusters allow 3 concurrent retries unless told otherwise (a circuit breaker): the engines'
+    cluster allows one per request, so a replica that dies with many requests queued loses none."""
+    burst = 8
+    failing = GatedResetReplica(burst)
+    try:
+        front = make_front(
+            HandSetFleet([service("chat", [failing.url, engines[0].url])]), routing="round-robin"
+        )
+        answers: list[httpx.Response] = []
+        threads = [
+            threading.Thread(target=lambda i=i: answers.append(post(front, chat_body(f"burst {i}"))))
+            for i in range(2 * burst)
+        ]  # fmt: skip  (round robin sends every other one to the failing)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(a.status_code for a in answers) == [200] * 2 * burst, [a.text for a in answers]
+        assert failing.served == burst and envoy_stat(front.envoy, "upstream_rq_retry") == burst
+        assert envoy_stat(front.envoy, "upstream_rq_retry_overflow") == 0
+    finally:
+        failing.close()
+
+
+class CutOnCue(CuttingReplica):
+    """Sends its events, then drops the connection once told to (when the client has read them): an engine
+    killed mid-stream."""
+
+    def __init__(self, body: bytes) -> None:
+        self.cue = threading.Event()
+        super().__init__(body, stream=True)
+
+    def respond(self, conn: socket.socket) -> None:
+        super().respond(conn)
+        self.cue.wait(60)
+
+
+def test_a_stream_cut_after_its_first_tokens_never_looks_complete_through_envoy(make_front):
+    """After output has reached the client nothing can be retried, and Envoy cannot write an error event
+    for an upstream that is gone: the client must see the cut (no [DONE]), and Envoy counts it."""
+    parts = ("", "Hel", "lo")
+    cutter = CutOnCue(b"".join(chat_event({"content": part}) for part in parts))
+    try:
+        front = make_front(HandSetFleet([service("chat", [cutter.url])]))
+        body = chat_body("cut me", max_tokens=10, stream=True)
+        data: list[str] = []
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        url = front.url + "/v1/chat/completions"
+        with (
+            pytest.raises(httpx.RemoteProtocolError),  # the chunked body never ends
+            httpx.stream("POST", url, json=body, timeout=60, trust_env=False, headers=headers) as rsp,
+        ):
+            assert rsp.status_code == 200
+            for line in rsp.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                if len(data) == len(parts):
+                    cutter.cue.set()
+        assert [json.loads(d)["choices"][0]["delta"]["content"] for d in data] == list(parts)
+        assert envoy_stat(front.envoy, "upstream_cx_destroy_remote_with_active_rq") >= 1
+        wait_for(lambda: front.in_flight() == {}, what="the picker's in-flight count back to none")
+    finally:
+        cutter.cue.set()
+        cutter.close()
 
 
 # -- the protocol: subset hint, empty pool, holding --------------------------------------------------------
@@ -405,6 +490,30 @@ def test_a_request_at_zero_replicas_is_held_by_the_picker_then_served(engines, m
     waiting.join(60)
     assert results["held"].status_code == 200, results["held"].text
     assert envoy_stat(front.envoy, "ext_proc_message_timeouts") == 0
+
+
+def test_held_requests_time_out_with_503_and_a_full_queue_or_quota_is_429_through_envoy(make_front):
+    """The relay's refusals of a held request, answered through Envoy: the hold's timeout (503), the hold
+    queue full (429), the quota refusing the replica it waits for (429)."""
+    cold = service("chat", [], min_replicas=0, desired_replicas=0)
+    front = make_front(
+        HandSetFleet([cold]), {"message_timeout": MESSAGE_TIMEOUT}, hold_timeout=0.2, max_held=1
+    )
+    timed_out = post(front, chat_body("anyone?"))
+    assert_error(timed_out, 503, "no_replica_ready", "0.2s")
+    assert timed_out.headers["Retry-After"]
+
+    slow = make_front(HandSetFleet([cold]), {"message_timeout": MESSAGE_TIMEOUT}, hold_timeout=30, max_held=1)
+    first = threading.Thread(target=lambda: post(slow, chat_body("first")))
+    first.start()
+    wait_for(lambda: slow.handle.gateway.holds.held("ns-team-a/chat") == 1, what="the first request held")
+    assert_error(post(slow, chat_body("second")), 429, "hold_queue_full", "1 requests already wait")
+    refused = replace(cold, quota_refusal="tenant team-a: 1 of 1 GPUs in use")
+    fleet = slow.handle.fleet
+    slow.handle.call_soon(lambda: (fleet.set_services([refused]), fleet.changed()))  # type: ignore[attr-defined]
+    first.join(30)
+    assert_error(post(slow, chat_body("third")), 429, "insufficient_quota", "1 of 1 GPUs in use")
+    wait_for(lambda: slow.in_flight() == {}, what="no engine counted in flight")
 
 
 # -- the picker down -----------------------------------------------------------------------------------------

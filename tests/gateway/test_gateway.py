@@ -416,7 +416,7 @@ class CuttingReplica(RawReplica):
                          + f"content-length: {len(self.body) + 100}\r\n\r\n".encode() + self.body)  # fmt: skip
 
 
-def _chat_event(delta: dict, finish: str | None = None) -> bytes:
+def chat_event(delta: dict, finish: str | None = None) -> bytes:
     chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
              "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
     return f"data: {json.dumps(chunk)}\n\n".encode()
@@ -426,7 +426,7 @@ def _chat_event(delta: dict, finish: str | None = None) -> bytes:
 def test_a_stream_whose_replica_dies_before_its_first_token_is_retried_and_never_fails(engines, make_gateway):
     """The replica sends 200 and the role chunk, then dies: no token reached the client, so the client
     must not see a failure; the request goes to the other replica."""
-    cutter = CuttingReplica(_chat_event({"role": "assistant", "content": ""}), stream=True)
+    cutter = CuttingReplica(chat_event({"role": "assistant", "content": ""}), stream=True)
     try:
         gateway = make_gateway(
             HandSetFleet([service("chat", [cutter.url, engines[0].url])]), routing="round-robin"
@@ -466,9 +466,9 @@ def test_a_whole_response_cut_before_its_end_is_retried(engines, make_gateway):
 @pytest.mark.timeout(180)
 def test_a_stream_that_loses_its_replica_after_tokens_ends_with_an_error_event_and_done(make_gateway):
     events = (
-        _chat_event({"role": "assistant", "content": ""})
-        + _chat_event({"content": "Hel"})
-        + _chat_event({"content": "lo"})
+        chat_event({"role": "assistant", "content": ""})
+        + chat_event({"content": "Hel"})
+        + chat_event({"content": "lo"})
     )
     cutter = CuttingReplica(events, stream=True)
     try:

@@ -5,24 +5,39 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
+from flotilla.bench.gateway import routing
 from flotilla.bench.gateway.figures import (
+    CLIENT_BOUND_SHARE,
     ChatRecord,
+    added_latency,
+    ceiling_comparison,
     compare_policies,
+    cpu_shares,
     distribution,
+    format_overhead,
     format_routing,
     json_safe,
-    overhead_summary,
+    latency_summary,
     percentile,
     routing_summary,
     sample_by_label,
     sample_sum,
     throughput_summary,
 )
-from flotilla.bench.gateway.procs import PYTHON_CLI, engine_argv, gateway_argv
+from flotilla.bench.gateway.overhead import data_planes
+from flotilla.bench.gateway.procs import (
+    PYTHON_CLI,
+    cpu_seconds,
+    engine_argv,
+    envoy_argv,
+    envoy_config_argv,
+    gateway_argv,
+)
 from flotilla.bench.gateway.stub import answer
 from flotilla.bench.gateway.workload import chat_messages, longest_prompt_words, make_workload
 from flotilla.cli import build_parser
@@ -157,14 +172,96 @@ def test_routing_summary_and_comparison() -> None:
     assert "round-robin / prefix: " in text and "MET" in text and "7/7/6" in text
 
 
-def test_overhead_and_throughput_summaries() -> None:
-    summary = overhead_summary([0.010, 0.011, 0.012], [0.0115, 0.0125, 0.0135], target_p50_ms=2.0)
+def test_added_latency_checks_each_target() -> None:
+    direct = [0.010, 0.011, 0.012]
+    summary = added_latency(direct, [0.0115, 0.0125, 0.0135], {"p50": 2.0})
     assert summary["added_ms"]["p50"] == pytest.approx(1.5)
-    assert summary["met"] is True
-    assert overhead_summary([0.010], [0.013], target_p50_ms=2.0)["met"] is False
-    assert not overhead_summary([], [], 2.0)["met"]
+    assert summary["targets"]["p50"]["met"] is True and summary["met"] is True
+    # p50 within, p99 not: the plane misses
+    tail = added_latency(direct, [0.0105, 0.0115, 0.030], {"p50": 1.0, "p99": 5.0})
+    assert tail["targets"]["p50"]["met"] is True
+    assert tail["targets"]["p99"]["added_ms"] == pytest.approx(30.0 - 12.0, rel=0.05)
+    assert tail["targets"]["p99"]["met"] is False and tail["met"] is False
+    assert added_latency(direct, [0.013, 0.014, 0.015], {"p50": 2.0})["met"] is False
+    assert added_latency([], [], {"p50": 2.0})["met"] is False  # no samples: NaN, never met
+    assert added_latency(direct, direct, {})["met"] is False  # nothing to meet
+
+
+def test_latency_summary_per_data_plane() -> None:
+    samples = {"direct": [0.010] * 5, "relay": [0.013] * 5, "envoy": [0.0105] * 5}
+    targets = {"relay": {"p50": 2.0}, "envoy": {"p50": 1.0, "p99": 5.0}}
+    summary = latency_summary(samples, targets)
+    assert summary["direct_ms"]["p50"] == pytest.approx(10.0)
+    assert list(summary["data_planes"]) == ["relay", "envoy"]
+    relay, envoy = summary["data_planes"]["relay"], summary["data_planes"]["envoy"]
+    assert relay["added_ms"]["p50"] == pytest.approx(3.0) and relay["met"] is False
+    assert envoy["added_ms"]["p99"] == pytest.approx(0.5) and envoy["met"] is True
+    assert set(envoy["targets"]) == {"p50", "p99"} and set(relay["targets"]) == {"p50"}
+
+
+def test_ceiling_comparison_against_the_target() -> None:
+    relay = throughput_summary([0.01] * 1000, errors=0, duration=1.0, concurrency=32)
+    envoy = throughput_summary([0.002] * 6000, errors=0, duration=1.0, concurrency=32)
+    client = throughput_summary([0.001] * 20000, errors=0, duration=1.0, concurrency=32)
+    met = ceiling_comparison({"relay": relay, "envoy": envoy}, client, target=5.0)
+    assert met["envoy_over_relay"] == pytest.approx(6.0) and met["met"] is True
+    assert met["client_bound"] == []
+    missed = ceiling_comparison({"relay": relay, "envoy": envoy}, client, target=10.0)
+    assert missed["met"] is False
+    slow_client = throughput_summary([0.001] * 7000, errors=0, duration=1.0, concurrency=32)
+    bound = ceiling_comparison({"relay": relay, "envoy": envoy}, slow_client, target=5.0)
+    assert bound["client_bound"] == ["envoy"]  # 6000 >= CLIENT_BOUND_SHARE x 7000
+    assert 6000 >= CLIENT_BOUND_SHARE * 7000 > 1000
+    alone = ceiling_comparison({"envoy": envoy}, client, target=5.0)
+    assert alone["envoy_over_relay"] is None and alone["met"] is False
     t = throughput_summary([0.01] * 500, errors=1, duration=2.0, concurrency=32)
     assert t["requests_per_s"] == 250.0 and t["errors"] == 1 and t["latency_ms"]["p50"] == pytest.approx(10.0)
+
+
+def test_cpu_shares_of_one_core() -> None:
+    shares = cpu_shares(
+        {"envoy": 10.0, "picker": 20.0, "gone": None}, {"envoy": 10.5, "picker": 21.8, "gone": 3.0}, 2.0
+    )
+    assert shares == {"envoy": pytest.approx(0.25), "picker": pytest.approx(0.9), "gone": None}
+    assert cpu_shares({"a": 1.0}, {"a": 2.0}, 0.0) == {"a": None}
+    mine = cpu_seconds(os.getpid())
+    assert mine is not None and mine > 0
+    assert cpu_seconds(None) is None
+
+
+def _overhead_report(planes: tuple[str, ...]) -> dict:
+    targets = {"relay": {"p50": 2.0}, "envoy": {"p50": 1.0, "p99": 5.0}}
+    samples = {"direct": [0.010] * 5, "relay": [0.013] * 5, "envoy": [0.0105] * 5}
+    latency = latency_summary({k: v for k, v in samples.items() if k == "direct" or k in planes}, targets)
+    latency.update(errors=0)
+    loops = {"relay": [0.01] * 1000, "envoy": [0.002] * 6000}
+    throughput: dict = {p: throughput_summary(loops[p], 0, 1.0, 32) for p in planes}
+    if "envoy" in planes:
+        throughput["envoy"]["cpu_share"] = {"envoy": 0.25, "picker": 0.75}
+    client = throughput_summary([0.001] * 20000, 0, 1.0, 32)
+    throughput.update(stub_direct=client, comparison=ceiling_comparison(throughput, client, 5.0))
+    return {"settings": {"gateway_cpu": 1}, "latency": latency, "latency_instant_upstream": latency,
+            "throughput": throughput}  # fmt: skip
+
+
+def test_format_overhead_shows_both_planes_and_the_verdicts() -> None:
+    text = format_overhead(_overhead_report(("relay", "envoy")))
+    assert "through the relay" in text and "through Envoy + picker" in text
+    assert "p50 0.500 ms (target <= 1 ms: MET)" in text
+    assert "p50 3.000 ms (target <= 2 ms: MISSED)" in text
+    assert "Envoy + picker over the relay: 6.00x (target >= 5x: MET)" in text
+    assert "1000 requests/s" in text and "6000 requests/s" in text
+    assert "of the core: envoy 25%, picker 75%" in text
+    alone = format_overhead(_overhead_report(("envoy",)))
+    assert "through the relay" not in alone and "over the relay" not in alone
+    json.dumps(json_safe(_overhead_report(("relay", "envoy"))))  # the JSON it is written as
+    assert "warning" not in text
+    bound = _overhead_report(("relay", "envoy"))
+    slow = throughput_summary([0.001] * 7000, 0, 1.0, 32)
+    bound["throughput"]["comparison"] = ceiling_comparison(
+        {p: bound["throughput"][p] for p in ("relay", "envoy")}, slow, 5.0
+    )
+    assert "warning: Envoy + picker came within 70% of the client's own ceiling" in format_overhead(bound)
 
 
 def test_commands_use_this_interpreter_and_the_contract() -> None:
@@ -179,6 +276,15 @@ def test_commands_use_this_interpreter_and_the_contract() -> None:
     gateway = gateway_argv({"tiny": ["http://a", "http://b"]}, "prefix", 99)
     parsed = build_parser().parse_args(gateway[len(PYTHON_CLI) :])
     assert parsed.static_model == ["tiny=http://a,http://b"] and parsed.routing == "prefix"
+    assert parsed.picker_port is None
+    picker = gateway_argv({"tiny": ["http://a"]}, "round-robin", 99, picker_port=98)
+    parsed = build_parser().parse_args(picker[len(PYTHON_CLI) :])
+    assert parsed.picker_port == 98 and parsed.port == 99 and parsed.routing == "round-robin"
+    config = envoy_config_argv(picker_port=98, port=97, admin_port=96)
+    parsed = build_parser().parse_args(config[len(PYTHON_CLI) :])  # the gateway's own parser accepts it
+    assert (parsed.picker, parsed.port, parsed.admin_port) == ("127.0.0.1:98", 97, 96)
+    envoy = envoy_argv("/bin/envoy", Path("/tmp/e.json"), 1)
+    assert envoy[0] == "/bin/envoy" and envoy[envoy.index("--concurrency") + 1] == "1"
 
 
 def test_bench_flags_parse() -> None:
@@ -188,8 +294,17 @@ def test_bench_flags_parse() -> None:
     assert args.users == 12 and args.policies == ("round-robin", "prefix") and args.concurrency >= 1
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gateway", "bench", "routing", "--policies", "random"])
+    assert args.data_plane == "envoy"
     args = build_parser().parse_args(["gateway", "bench", "overhead", "--requests", "50"])
-    assert args.requests == 50 and args.concurrency == 32
+    assert args.requests == 50 and args.concurrency == 32 and args.data_plane == "both"
+    assert (args.envoy_target_p50_ms, args.envoy_target_p99_ms, args.throughput_target) == (1.0, 5.0, 5.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gateway", "bench", "overhead", "--data-plane", "nginx"])
+    assert data_planes("both") == ("relay", "envoy") and data_planes("envoy") == ("envoy",)
+    assert routing.data_planes("both") == ("envoy", "relay") and routing.data_planes("relay") == ("relay",)
+    # a run is named by its policy alone with one data plane, by both with several (logs, PNG)
+    assert routing.run_label("prefix", "envoy", ("envoy",)) == "prefix"
+    assert routing.run_label("prefix", "relay", ("envoy", "relay")) == "prefix (relay)"
 
 
 def test_stub_answers() -> None:

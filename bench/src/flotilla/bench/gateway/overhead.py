@@ -1,16 +1,24 @@
-"""`flotilla gateway bench overhead`: what the gateway costs a request, and how many it can pass on a core.
+"""`flotilla gateway bench overhead`: what the gateway costs a request, and how many it can pass on a core,
+for each data plane (`--data-plane`): the Python relay (`flotilla gateway run`'s HTTP port) and Envoy in
+front of the endpoint picker (`flotilla gateway run --picker-port` answering Envoy's ext_proc and EDS, Envoy
+on the bootstrap `flotilla gateway envoy-config` prints). `both` (the default) measures them side by side.
 
-1. Added latency. One engine (one torch thread) and a gateway with `--static-model` to it. The same small
-   non-streaming completion (a short prompt, max_tokens 1) is sent sequentially `--requests` times
-   straight to the engine and as many times through the gateway, in alternating blocks of `--block` (the
-   order flipping each round), so that drift in the machine's load hits both alike. The added latency is
-   the gateway's percentile minus the direct one, per percentile; the target is p50 <= 2 ms. The gateway's
-   own figure (its added-latency histogram: arrival to upstream send, mean) is reported beside it.
-2. Throughput ceiling. The gateway, pinned to one CPU (os.sched_setaffinity in the child), in front of a
-   stub upstream that answers at once (stub.py; the engine would be the bottleneck); `--concurrency`
-   closed-loop clients on their own keep-alive connections for `--duration` seconds: requests/s. The
-   client and the stub run on the other CPUs; the same loop straight to the stub shows the ceiling of the
-   client and stub themselves, which must be well above the gateway's for the figure to be the gateway's.
+1. Added latency. One engine (one torch thread), behind each data plane with `--static-model`. The same
+   small non-streaming completion (a short prompt, max_tokens 1) is sent sequentially `--requests` times
+   straight to the engine and as many times through each data plane, in blocks of `--block` taking turns
+   (the order rotating each round), so that drift in the machine's load hits all alike. The added latency
+   is a data plane's percentile minus the direct one, per percentile; the targets: Envoy + picker p50 <= 1
+   ms and p99 <= 5 ms, the relay p50 <= `--target-ms` (information). Each gateway's own figure (its
+   added-latency histogram: arrival to upstream send, mean) is reported beside it. The same again in front
+   of a stub upstream that answers at once.
+2. Throughput ceiling on one core. The relay, and Envoy (`--concurrency 1`) with the picker's process,
+   each pinned to the same CPU (os.sched_setaffinity in the child), in front of a stub upstream that answers
+   at once (stub.py; the engine would be the bottleneck); `--concurrency` closed-loop clients on their own
+   keep-alive connections for `--duration` seconds: requests/s, each pinned process's share of the core
+   (its CPU time over the loop), and Envoy + picker's requests/s over the relay's against the target
+   (>= 5x). The client and the stub run on the other CPUs; the same loop straight to the
+   stub shows the ceiling of the client and stub themselves, which must be well above a data plane's for
+   the figure to be the data plane's (the report warns when it is not).
 
 Both use a minimal HTTP client (rawhttp.py) so the client's own cost stays small.
 """
@@ -23,13 +31,17 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flotilla.bench.gateway.figures import (
+    ceiling_comparison,
+    cpu_shares,
     distribution,
+    format_overhead,
     json_safe,
-    overhead_summary,
+    latency_summary,
     ratio,
     sample_sum,
     throughput_summary,
@@ -39,8 +51,10 @@ from flotilla.bench.gateway.procs import (
     Proc,
     StartupError,
     available_cpus,
+    cpu_seconds,
     engine_argv,
     ensure_model,
+    envoy_proc,
     free_ports,
     gateway_argv,
     get_text,
@@ -57,6 +71,23 @@ COMPLETIONS = OPENAI_PATH + "/completions"
 WARMUP_REQUESTS = 10
 WARMUP_SECONDS = 1.0
 STUB_DIRECT_SECONDS = 3.0
+ENVOY_CONCURRENCY = 1  # Envoy's worker threads: one core's worth
+
+
+def data_planes(choice: str) -> tuple[str, ...]:
+    """The data planes a `--data-plane` choice measures, the baseline (the relay) first."""
+    return ("relay", "envoy") if choice == "both" else (choice,)
+
+
+@dataclass
+class Front:
+    """Where clients send for one data plane, the gateway process whose /metrics counts its picks, and the
+    processes pinned to the data plane's CPU (whose CPU time the throughput run reads)."""
+
+    plane: str
+    port: int
+    metrics_url: str
+    procs: list[Proc] = field(default_factory=list)
 
 
 def body(model: str) -> bytes:
@@ -66,6 +97,7 @@ def body(model: str) -> bytes:
 def run_overhead(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    planes = data_planes(args.data_plane)
     cpus = available_cpus()
     gateway_cpu = args.gateway_cpu if args.gateway_cpu is not None else cpus[-1]
     if gateway_cpu not in cpus:
@@ -80,50 +112,66 @@ def run_overhead(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"flotilla gateway bench overhead: {exc}", file=sys.stderr)
         return 2
-    engine_port, stub_port, gateway_port = free_ports(3)
+    engine_port, stub_port, relay_port, picker_http_port, picker_port, envoy_port, admin_port = free_ports(7)
     engine = Proc("engine", engine_argv(model, ENGINE_MODEL, engine_port, None, args.threads), engine_port,
                   out / "overhead-engine.log")  # fmt: skip
     stub = Proc("stub", [sys.executable, "-m", "flotilla.bench.gateway.stub", FLAG_PORT, str(stub_port)], stub_port,
                 out / "overhead-stub.log", cpus=others)  # fmt: skip
     models = {ENGINE_MODEL: [engine.url], STUB_MODEL: [stub.url]}
-    gateway = Proc("gateway", gateway_argv(models, args.routing, gateway_port), gateway_port,
-                   out / "overhead-gateway.log", cpus=[gateway_cpu])  # fmt: skip
+    gateways: list[Proc] = []
+    fronts: dict[str, Front] = {}
+    if "relay" in planes:
+        relay = Proc("relay", gateway_argv(models, args.routing, relay_port), relay_port,
+                     out / "overhead-relay.log", cpus=[gateway_cpu])  # fmt: skip
+        gateways.append(relay)
+        fronts["relay"] = Front("relay", relay_port, relay.url + METRICS_PATH, [relay])
+    if "envoy" in planes:
+        picker = Proc("picker", gateway_argv(models, args.routing, picker_http_port, picker_port),
+                      picker_http_port, out / "overhead-picker.log", cpus=[gateway_cpu])  # fmt: skip
+        gateways.append(picker)
+        fronts["envoy"] = Front("envoy", envoy_port, picker.url + METRICS_PATH, [picker])
     started: list[Proc] = []
     try:
-        progress(
-            f"starting an engine, the stub (CPUs {others}) and the gateway (CPU {gateway_cpu}); logs in {out}"
-        )
+        progress(f"starting an engine, the stub (CPUs {others}) and {' and '.join(_named(p) for p in planes)} "
+                 f"(CPU {gateway_cpu}); logs in {out}")  # fmt: skip
         started += [engine.start(), stub.start()]
         wait_healthy([engine, stub], args.startup_timeout)
-        started.append(gateway.start())
-        wait_healthy([gateway], args.startup_timeout)
-        latency = asyncio.run(
-            measure_latency(engine_port, gateway.url, gateway_port, ENGINE_MODEL, "engine", args)
-        )
+        started += [g.start() for g in gateways]
+        wait_healthy(gateways, args.startup_timeout)
+        if "envoy" in planes:
+            envoy = envoy_proc("envoy", picker_port, envoy_port, admin_port, out / "overhead-envoy.log",
+                               concurrency=ENVOY_CONCURRENCY, cpus=[gateway_cpu])  # fmt: skip
+            started.append(envoy.start())
+            wait_healthy([envoy], args.startup_timeout)
+            fronts["envoy"].procs.insert(0, envoy)
+        latency = asyncio.run(measure_latency(engine_port, fronts, ENGINE_MODEL, "engine", args))
         progress("stopping the engine (the rest needs only the stub)")
         engine.stop()
-        instant = asyncio.run(measure_latency(stub_port, gateway.url, gateway_port, STUB_MODEL, "stub", args))
-        throughput = measure_throughput(stub_port, gateway_port, others, args)
+        instant = asyncio.run(measure_latency(stub_port, fronts, STUB_MODEL, "stub", args))
+        throughput = measure_throughput(stub_port, fronts, others, args)
     except (StartupError, HTTPError, OSError) as exc:
         print(
             f"flotilla gateway bench overhead: {type(exc).__name__}: {exc} (logs in {out})", file=sys.stderr
         )
         return 1
     finally:
-        progress("stopping the gateway, the stub and the engine")
+        progress("stopping the data planes, the stub and the engine")
         stop_all(started)
     report = {
         "benchmark": "gateway-overhead",
         "settings": {
             "model": str(model),
+            "data_planes": list(planes),
             "requests": args.requests,
             "block": args.block,
             "routing": args.routing,
             "concurrency": args.concurrency,
             "duration_s": args.duration,
             "gateway_cpu": gateway_cpu,
+            "envoy_concurrency": ENVOY_CONCURRENCY,
             "client_and_stub_cpus": others,
             "threads_per_engine": args.threads,
+            "targets": targets(args),
         },  # fmt: skip
         "latency": latency,
         "latency_instant_upstream": instant,
@@ -133,16 +181,37 @@ def run_overhead(args: argparse.Namespace) -> int:
     path.write_text(json.dumps(json_safe(report), indent=1))
     print(format_overhead(report))
     progress(f"wrote {path}")
-    failed = latency["errors"] + instant["errors"] + throughput["gateway"]["errors"]
+    failed = latency["errors"] + instant["errors"] + sum(throughput[p]["errors"] for p in planes)
     return 0 if failed == 0 else 1
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _named(plane: str) -> str:
+    return {"relay": "the relay", "envoy": "Envoy (--concurrency 1) with the picker"}.get(plane, plane)
+
+
+def targets(args: argparse.Namespace) -> dict[str, Any]:
+    """The targets: added latency per data plane (percentile -> ms) and the throughput ratio."""
+    return {
+        "added_ms": {
+            "relay": {"p50": args.target_ms},
+            "envoy": {"p50": args.envoy_target_p50_ms, "p99": args.envoy_target_p99_ms},
+        },
+        "envoy_over_relay_requests_per_s": args.throughput_target,
+    }
+
+
 async def measure_latency(
-    upstream_port: int, gateway_url: str, gateway_port: int, model: str, label: str, args: argparse.Namespace
+    upstream_port: int, fronts: dict[str, Front], model: str, label: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """`--requests` sequential completions each way, straight to the upstream and through the gateway, in
-    alternating blocks (the order flips every round); the gateway's own added-latency histogram alongside."""
-    direct, via = Connection(HOST, upstream_port), Connection(HOST, gateway_port)
+    """`--requests` sequential completions straight to the upstream and as many through each data plane,
+    in blocks taking turns (the order rotates every round); each gateway's own added-latency histogram
+    alongside."""
+    conns = {"direct": Connection(HOST, upstream_port)}
+    conns.update({plane: Connection(HOST, front.port) for plane, front in fronts.items()})
     payload = body(model)
     errors: list[str] = []
 
@@ -158,18 +227,18 @@ async def measure_latency(
     try:
         progress(f"added latency ({label}): warm-up, {WARMUP_REQUESTS} requests each way")
         for _ in range(WARMUP_REQUESTS):
-            await timed(direct)
-            await timed(via)
+            for conn in conns.values():
+                await timed(conn)
         errors.clear()
-        before = get_text(gateway_url + METRICS_PATH)
-        samples: dict[str, list[float]] = {"direct": [], "gateway": []}
-        progress(
-            f"added latency ({label}): {args.requests} requests each way, alternating blocks of {args.block}"
-        )
+        before = {plane: get_text(front.metrics_url) for plane, front in fronts.items()}
+        samples: dict[str, list[float]] = {name: [] for name in conns}
+        progress(f"added latency ({label}): {args.requests} requests each way ({', '.join(conns)}), "
+                 f"blocks of {args.block} taking turns")  # fmt: skip
         rounds = 0
+        order = list(conns.items())
         while any(len(v) < args.requests for v in samples.values()):
-            order = [("direct", direct), ("gateway", via)]
-            for name, conn in order if rounds % 2 == 0 else order[::-1]:
+            shift = rounds % len(order)
+            for name, conn in order[shift:] + order[:shift]:
                 for _ in range(min(args.block, args.requests - len(samples[name]))):
                     elapsed = await timed(conn)
                     if elapsed is not None:
@@ -177,44 +246,62 @@ async def measure_latency(
                     elif len(errors) > args.requests:
                         raise HTTPError(f"too many failed requests; the first: {errors[0]}")
             rounds += 1
-            done = len(samples["direct"]) + len(samples["gateway"])
             if rounds % 5 == 0:
-                d, g = distribution(samples["direct"]), distribution(samples["gateway"])
-                progress(f"added latency ({label}): {done}/{2 * args.requests} done; p50 direct "
-                         f"{d['p50']:.2f} ms, through the gateway {g['p50']:.2f} ms")  # fmt: skip
-        after = get_text(gateway_url + METRICS_PATH)
+                done = sum(len(v) for v in samples.values())
+                p50s = ", ".join(f"{name} {distribution(v)['p50']:.2f} ms" for name, v in samples.items())
+                progress(f"added latency ({label}): {done}/{len(samples) * args.requests} done; p50 {p50s}")
+        after = {plane: get_text(front.metrics_url) for plane, front in fronts.items()}
     finally:
-        await direct.close()
-        await via.close()
-    summary = overhead_summary(samples["direct"], samples["gateway"], args.target_ms)
+        for conn in conns.values():
+            await conn.close()
+    summary = latency_summary(samples, targets(args)["added_ms"])
+    for plane, figures in summary["data_planes"].items():
 
-    def delta(suffix: str) -> float:
-        name = GATEWAY_ADDED_LATENCY + suffix
-        return sample_sum(after, name) - sample_sum(before, name)
+        def delta(suffix: str, plane: str = plane) -> float:
+            name = GATEWAY_ADDED_LATENCY + suffix
+            return sample_sum(after[plane], name) - sample_sum(before[plane], name)
 
-    mean = ratio(delta("_sum"), delta("_count"))  # the measured requests only (read after the warm-up)
-    summary["gateway_reported_added_mean_ms"] = mean * 1000 if mean is not None else None
+        mean = ratio(delta("_sum"), delta("_count"))  # the measured requests only (read after the warm-up)
+        figures["reported_added_mean_ms"] = mean * 1000 if mean is not None else None
+        added = figures["added_ms"]
+        progress(f"added latency ({label}): {_named(plane)}: p50 {added['p50']:.2f} ms, "
+                 f"p99 {added['p99']:.2f} ms")  # fmt: skip
     summary["errors"] = len(errors)
     summary["error_samples"] = errors[:5]
     summary["samples_ms"] = {k: [round(v * 1000, 4) for v in vs] for k, vs in samples.items()}
-    progress(f"added latency ({label}): p50 {summary['added_ms']['p50']:.2f} ms, "
-             f"p95 {summary['added_ms']['p95']:.2f} ms")  # fmt: skip
     return summary
 
 
-def measure_throughput(stub_port: int, gateway_port: int, cpus: list[int], args: argparse.Namespace) -> dict:
-    """The closed loop, with this process on `cpus` (not the gateway's) while it runs."""
+def measure_throughput(
+    stub_port: int, fronts: dict[str, Front], cpus: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The closed loop through each data plane, then straight to the stub, with this process on `cpus`
+    (not the data planes') while it runs."""
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, set(cpus))
+    results: dict[str, Any] = {}
     try:
-        progress(f"throughput: {args.concurrency} clients through the gateway for {args.duration:g} s")
-        gateway = asyncio.run(closed_loop(gateway_port, args.concurrency, args.duration))
-        progress(f"throughput: {gateway['requests_per_s']:.0f} requests/s through the gateway; now the same "
-                 f"loop straight to the stub for {STUB_DIRECT_SECONDS:g} s (the client's own ceiling)")  # fmt: skip
+        for plane, front in fronts.items():
+            progress(
+                f"throughput: {args.concurrency} clients through {_named(plane)} for {args.duration:g} s"
+            )
+            before, start = {p.name: cpu_seconds(p.pid) for p in front.procs}, time.perf_counter()
+            results[plane] = asyncio.run(closed_loop(front.port, args.concurrency, args.duration))
+            wall = time.perf_counter() - start
+            results[plane]["cpu_share"] = cpu_shares(
+                before, {p.name: cpu_seconds(p.pid) for p in front.procs}, wall
+            )
+            shares = ", ".join(f"{name} {_pct(v)}" for name, v in results[plane]["cpu_share"].items())
+            progress(f"throughput: {results[plane]['requests_per_s']:.0f} requests/s through {_named(plane)} "
+                     f"(of its core: {shares})")  # fmt: skip
+        progress(f"throughput: the same loop straight to the stub for {STUB_DIRECT_SECONDS:g} s "
+                 "(the client's own ceiling)")  # fmt: skip
         direct = asyncio.run(closed_loop(stub_port, args.concurrency, STUB_DIRECT_SECONDS))
     finally:
         os.sched_setaffinity(0, mine)
-    return {"gateway": gateway, "stub_direct": direct}
+    planes = {plane: results[plane] for plane in fronts}
+    return {**results, "stub_direct": direct,
+            "comparison": ceiling_comparison(planes, direct, args.throughput_target)}  # fmt: skip
 
 
 async def closed_loop(port: int, concurrency: int, duration: float) -> dict[str, Any]:
@@ -245,34 +332,3 @@ async def closed_loop(port: int, concurrency: int, duration: float) -> dict[str,
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return throughput_summary(latencies, errors, duration, concurrency)
-
-
-def format_overhead(report: dict[str, Any]) -> str:
-    lat, instant, thr = report["latency"], report["latency_instant_upstream"], report["throughput"]
-    keys = ("p50", "p90", "p95", "p99", "mean")
-    lines = [f"{'sequential requests (ms)':<34}" + "".join(f"{k:>10}" for k in keys)]
-    for upstream, figures in (("the engine", lat), ("the stub", instant)):
-        rows = (
-            (f"straight to {upstream}", figures["direct_ms"]),
-            ("  through the gateway", figures["gateway_ms"]),
-            ("  added by the gateway", figures["added_ms"]),
-        )
-        for label, row in rows:
-            lines.append(f"{label:<34}" + "".join(f"{row[k]:>10.3f}" for k in keys))
-        reported = figures["gateway_reported_added_mean_ms"]
-        if reported is not None:
-            lines.append(f"{'  gateway-reported, arrival->send':<34}{'':>40}{reported:>10.3f}")
-    verdict = "MET" if lat["met"] else "MISSED"
-    lines.append(
-        f"added p50 in front of the engine {lat['added_ms']['p50']:.3f} ms (target <= "
-        f"{lat['target_added_p50_ms']:g} ms: {verdict}); in front of the stub {instant['added_ms']['p50']:.3f} ms; "
-        f"{lat['errors'] + instant['errors']} failed"
-    )
-    gw, st = thr["gateway"], thr["stub_direct"]
-    lines.append(
-        f"throughput through the gateway pinned to CPU {report['settings']['gateway_cpu']}: "
-        f"{gw['requests_per_s']:.0f} requests/s at concurrency {gw['concurrency']} (latency p50 "
-        f"{gw['latency_ms']['p50']:.2f} ms, p99 {gw['latency_ms']['p99']:.2f} ms, {gw['errors']} errors); "
-        f"the same client straight to the stub: {st['requests_per_s']:.0f} requests/s"
-    )
-    return "\n".join(lines)

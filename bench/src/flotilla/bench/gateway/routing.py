@@ -1,11 +1,15 @@
 """`flotilla gateway bench routing`: the same multi-turn chat workload through the gateway to N replicas of
 one engine, once per routing policy (default round-robin, then prefix), each on freshly started engines so
-that every policy begins with empty prefix caches.
+that every policy begins with empty prefix caches; through Envoy in front of the endpoint picker (the
+default `--data-plane envoy`), through the Python relay (`relay`), or through each in turn (`both`).
 
-A run, per policy:
+A run, per data plane and policy:
 
 1. Start N engines (`flotilla engine serve`, one torch thread each, a KV cache that holds the whole
-   workload) and a gateway with `--static-model NAME=URL,...` and the policy; wait for /health.
+   workload) and a gateway with `--static-model NAME=URL,...` and the policy; wait for /health. For Envoy,
+   the gateway also serves the picker (`--picker-port`), and Envoy runs on the bootstrap `flotilla gateway
+   envoy-config` prints for it (one worker thread); the clients send to Envoy's listener, the counters are
+   read from the gateway's /metrics (the picker's).
 2. Warm up: one short request straight to each engine (first-request costs), then, through the gateway,
    one request per system prompt. That is the steady state of a chat service, whose system prompts have
    been seen before: under prefix routing each prompt is then cached on the replica the gateway bound it
@@ -17,7 +21,8 @@ A run, per policy:
 The report: TTFT p50/p95 (all turns, first turns, later turns), latency, output tok/s, the engines' prefix
 cache hit rate (delta hits / delta queries, summed over the replicas), the gateway's predicted hit share
 (its predicted hit tokens / prompt tokens; round robin predicts nothing) and the ratio of round robin's TTFT
-p95 to prefix's against the target (>= 2x). JSON, a PNG (TTFT CDF and percentiles per policy), a table.
+p95 to prefix's against the target (>= 2x), per data plane. JSON, a PNG (TTFT CDF and percentiles per
+policy and data plane), a table per data plane.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.bench.gateway.figures import (
+    DATA_PLANE_NAMES,
     ChatRecord,
     compare_policies,
     deltas,
@@ -47,6 +53,7 @@ from flotilla.bench.gateway.procs import (
     StartupError,
     engine_argv,
     ensure_model,
+    envoy_proc,
     free_ports,
     gateway_argv,
     model_context,
@@ -69,6 +76,7 @@ from flotilla.contract import (
 )
 
 SERVED_NAME = "tiny"
+ENVOY_CONCURRENCY = 1  # Envoy's worker threads
 PROGRESS_EVERY_S = 5.0
 REPLY_TOKENS_PER_OUTPUT_TOKEN = 2  # a reply re-tokenized as history: room for a worse split than generated
 
@@ -88,30 +96,36 @@ def run_routing(args: argparse.Namespace) -> int:
         f"messages ~{sizing['user_tokens']} tokens, longest prompt ~{sizing['longest_prompt_tokens']} of "
         f"{sizing['context']} tokens; concurrency {args.concurrency}, {args.replicas} replicas"
     )
-    policies: dict[str, dict[str, Any]] = {}
-    requests: dict[str, list[dict[str, Any]]] = {}
-    for policy in args.policies:
-        try:
-            summary, records = run_policy(policy, workload, model, out, args)
-        except StartupError as exc:
-            print(f"flotilla gateway bench routing: {exc}", file=sys.stderr)
-            return 1
-        except Exception as exc:  # an engine or the gateway misbehaved: say where to look
-            print(f"flotilla gateway bench routing: {policy}: {type(exc).__name__}: {exc} (logs in {out})",
-                  file=sys.stderr)  # fmt: skip
-            return 1
-        policies[policy] = summary
-        requests[policy] = [asdict(r) for r in records]
-        progress(
-            f"{policy}: TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, p95 {summary['ttft_ms']['p95']:.0f} ms, "
-            f"{summary['output_tok_s']:.1f} output tok/s, engine prefix hit rate "
-            f"{_pct(summary['engine_prefix_hit_rate'])}, {summary['failed']} failed"
-        )
-    comparison = compare_policies(policies, args.target)
+    planes = data_planes(args.data_plane)
+    results: dict[str, dict[str, Any]] = {}
+    requests: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for plane in planes:
+        policies: dict[str, dict[str, Any]] = {}
+        requests[plane] = {}
+        for policy in args.policies:
+            label = run_label(policy, plane, planes)
+            try:
+                summary, records = run_policy(policy, plane, label, workload, model, out, args)
+            except (StartupError, FileNotFoundError) as exc:
+                print(f"flotilla gateway bench routing: {exc}", file=sys.stderr)
+                return 1
+            except Exception as exc:  # an engine or the gateway misbehaved: say where to look
+                print(f"flotilla gateway bench routing: {label}: {type(exc).__name__}: {exc} (logs in {out})",
+                      file=sys.stderr)  # fmt: skip
+                return 1
+            policies[policy] = summary
+            requests[plane][policy] = [asdict(r) for r in records]
+            progress(
+                f"{label}: TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, p95 {summary['ttft_ms']['p95']:.0f} ms, "
+                f"{summary['output_tok_s']:.1f} output tok/s, engine prefix hit rate "
+                f"{_pct(summary['engine_prefix_hit_rate'])}, {summary['failed']} failed"
+            )
+        results[plane] = {"policies": policies, "comparison": compare_policies(policies, args.target)}
     report = {
         "benchmark": "gateway-routing",
         "settings": {
             "model": str(model),
+            "data_planes": list(planes),
             "replicas": args.replicas,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
@@ -120,18 +134,37 @@ def run_routing(args: argparse.Namespace) -> int:
             "prime": not args.no_prime,
             "seed": args.seed,
             "policies": list(args.policies),
+            "envoy_concurrency": ENVOY_CONCURRENCY,
         },  # fmt: skip
         "workload": sizing,
-        "policies": policies,
-        "comparison": comparison,
+        "data_planes": results,
         "requests": requests,
     }
     json_path = out / "routing.json"
     json_path.write_text(json.dumps(json_safe(report), indent=1))
-    print(format_routing(policies, comparison))
-    png = plot_routing(requests, policies, out / "routing.png")
+    for plane, result in results.items():
+        print(f"through {DATA_PLANE_NAMES.get(plane, plane)}:")
+        print(format_routing(result["policies"], result["comparison"]))
+    flat = {
+        run_label(p, plane, planes): summary
+        for plane in planes
+        for p, summary in results[plane]["policies"].items()
+    }
+    runs = {run_label(p, plane, planes): rs for plane in planes for p, rs in requests[plane].items()}
+    png = plot_routing(runs, flat, out / "routing.png")
     progress(f"wrote {json_path}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
-    return 0 if all(s["failed"] == 0 for s in policies.values()) else 1
+    failed = [s["failed"] for result in results.values() for s in result["policies"].values()]
+    return 0 if not any(failed) else 1
+
+
+def data_planes(choice: str) -> tuple[str, ...]:
+    """The data planes a `--data-plane` choice runs, in order (Envoy, the target, first)."""
+    return ("envoy", "relay") if choice == "both" else (choice,)
+
+
+def run_label(policy: str, plane: str, planes: tuple[str, ...]) -> str:
+    """A run's name in the progress, the logs and the PNG: the policy, and the data plane when several."""
+    return policy if len(planes) == 1 else f"{policy} ({plane})"
 
 
 def _pct(value: float | None) -> str:
@@ -176,41 +209,54 @@ def plan_workload(args: argparse.Namespace, model: Path) -> tuple[Workload, dict
 
 
 def run_policy(
-    policy: str, workload: Workload, model: Path, out: Path, args: argparse.Namespace
+    policy: str, plane: str, label: str, workload: Workload, model: Path, out: Path, args: argparse.Namespace
 ) -> tuple[dict[str, Any], list[ChatRecord]]:
-    ports = free_ports(args.replicas + 1)
+    ports = free_ports(args.replicas + 4)
+    gateway_port, picker_port, envoy_port, admin_port = ports[-4:]
+    logs = label.replace(" ", "-").replace("(", "").replace(")", "")
     engines = [
         Proc(
-            f"{policy} engine {i}",
+            f"{label} engine {i}",
             engine_argv(model, SERVED_NAME, port, args.kv_cache_memory, args.threads),
             port,
-            out / f"{policy}-engine-{i}.log",
+            out / f"{logs}-engine-{i}.log",
         )  # fmt: skip
-        for i, port in enumerate(ports[:-1])
+        for i, port in enumerate(ports[: args.replicas])
     ]
     urls = [e.url for e in engines]
-    gateway = Proc(f"{policy} gateway", gateway_argv({SERVED_NAME: urls}, policy, ports[-1]), ports[-1],
-                   out / f"{policy}-gateway.log")  # fmt: skip
+    envoy = plane == "envoy"
+    argv = gateway_argv({SERVED_NAME: urls}, policy, gateway_port, picker_port if envoy else None)
+    gateway = Proc(f"{label} gateway", argv, gateway_port, out / f"{logs}-gateway.log")
     started: list[Proc] = []
     try:
-        progress(f"{policy}: starting {len(engines)} engines (logs: {out}/{policy}-engine-*.log)")
+        progress(f"{label}: starting {len(engines)} engines (logs: {out}/{logs}-engine-*.log)")
         for engine in engines:
             started.append(engine.start())
         wait_healthy(engines, args.startup_timeout)
         progress(
-            f"{policy}: engines healthy (pids {', '.join(str(e.pid) for e in engines)}); starting the gateway"
+            f"{label}: engines healthy (pids {', '.join(str(e.pid) for e in engines)}); starting the gateway"
+            + (" (the picker) and Envoy" if envoy else "")
         )
         started.append(gateway.start())
         wait_healthy([gateway], args.startup_timeout)
-        return asyncio.run(measure(policy, gateway.url, urls, workload, args))
+        front = gateway.url
+        if envoy:
+            proxy = envoy_proc(f"{label} envoy", picker_port, envoy_port, admin_port, out / f"{logs}-envoy.log",
+                               concurrency=ENVOY_CONCURRENCY)  # fmt: skip
+            started.append(proxy.start())
+            wait_healthy([proxy], args.startup_timeout)
+            front = proxy.url
+        return asyncio.run(measure(label, front, gateway.url, urls, workload, args))
     finally:
-        progress(f"{policy}: stopping the gateway and the engines")
+        progress(f"{label}: stopping {'Envoy, ' if envoy else ''}the gateway and the engines")
         stop_all(started)
 
 
 async def measure(
-    policy: str, gateway: str, engines: list[str], workload: Workload, args: argparse.Namespace
+    policy: str, front: str, gateway: str, engines: list[str], workload: Workload, args: argparse.Namespace
 ) -> tuple[dict[str, Any], list[ChatRecord]]:
+    """The workload sent to `front` (Envoy's listener, or the relay's), the counters read from the engines
+    and from `gateway` (the process that routes: the relay, or the picker)."""
     import httpx
 
     limits = httpx.Limits(
@@ -227,7 +273,7 @@ async def measure(
             for s, prompt in enumerate(workload.system_prompts):
                 record = ChatRecord(conversation=-1, system=s, turn=0, start=0.0)
                 messages = chat_messages(prompt, [], f"Warm-up for assistant {s}.")
-                await chat_turn(client, gateway, messages, 1, record, time.perf_counter())
+                await chat_turn(client, front, messages, 1, record, time.perf_counter())
                 if not record.ok:
                     raise StartupError(f"{policy}: the warm-up request failed: {record.error}")
         before = await scrape(client, gateway, engines)
@@ -249,7 +295,7 @@ async def measure(
                     )
                     records.append(record)
                     reply = await chat_turn(
-                        client, gateway, chat_messages(system, history, message), args.max_tokens, record, t0
+                        client, front, chat_messages(system, history, message), args.max_tokens, record, t0
                     )
                     if reply is None:
                         break  # the later turns need this reply
@@ -350,7 +396,7 @@ async def chat_turn(
 def plot_routing(
     requests: dict[str, list[dict[str, Any]]], policies: dict[str, dict[str, Any]], path: Path
 ) -> Path | None:
-    """TTFT CDF per policy, and TTFT p50/p95 bars; None without matplotlib."""
+    """TTFT CDF per run (a policy, on a data plane), and TTFT p50/p95 bars; None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -379,7 +425,9 @@ def plot_routing(
     bars.set_ylabel("TTFT (ms)")
     bars.legend()
     bars.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("flotilla gateway bench routing: shared-prefix multi-turn chat, TTFT per routing policy")
+    fig.suptitle(
+        "flotilla gateway bench routing: shared-prefix multi-turn chat, TTFT per routing policy and data plane"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

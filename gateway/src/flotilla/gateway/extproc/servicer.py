@@ -37,8 +37,9 @@ from flotilla.gateway.upstream import upstream_headers
 log = logging.getLogger("flotilla.gateway.extproc")
 MODELS = OPENAI_PATH + "/models"
 CLIENT_CLOSED = 499  # nginx's "client closed request", as the relay counts it
-MAX_WHOLE_BODY = 1 << 20
-ENDPOINTS_WAIT_SECONDS = 10.0  # Envoy applies an endpoint update in milliseconds; a busy machine, longer  # a whole (not streamed) response is read for its usage up to this size
+MAX_WHOLE_BODY = 1 << 20  # a whole (not streamed) response is read for its usage up to this size
+ENDPOINTS_WAIT_SECONDS = 10.0  # Envoy applies an endpoint update in milliseconds; a busy machine, longer
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"  # the bootstrap asks Envoy to set it on responses
 
 
 class PickerStream:
@@ -183,11 +184,16 @@ class PickerStream:
 
     # -- the response ---------------------------------------------------------------------------------
     def response_headers(self, request: Any) -> Any:
-        status = responses.headers_of(request.response_headers).get(":status", "0")
+        headers = responses.headers_of(request.response_headers)
+        status = headers.get(":status", "0")
         self.count(int(status) if status.isdigit() else 0)
         if self.admitted is not None:
+            model = self.admitted.service.served_name
             waited = time.perf_counter() - self.sent
-            self.door.metrics.upstream_ttfb.labels(self.admitted.service.served_name).observe(waited)
+            self.door.metrics.upstream_ttfb.labels(model).observe(waited)
+            attempts = headers.get(ATTEMPT_COUNT_HEADER, "1")
+            if attempts.isdigit() and int(attempts) > 1:  # Envoy retried the pick on its fallback
+                self.door.metrics.retries.labels(model).inc(int(attempts) - 1)
         if request.response_headers.end_of_stream:
             self.finish()
         return responses.continue_headers(request_phase=False)

@@ -62,6 +62,21 @@ RETRY_POLICY = {
     "retriable_status_codes": [503],
     "num_retries": 1,
 }
+# Envoy's circuit breakers default to 3 retries in flight per cluster, so an engine that dies with a full
+# queue would have all but 3 of its requests fail instead of going to their fallbacks; and to 1,024
+# requests in flight, which would cap the picker's cluster (one ext_proc stream per request, for its whole
+# life) and the engines' at 1,024 concurrent generations. Every request may retry once; requests are
+# bounded by the engines' queues and the gateway's holds, not here.
+ENGINE_CIRCUIT_LIMIT = 1 << 20
+CIRCUIT_BREAKERS = {
+    "thresholds": [{
+        "priority": "DEFAULT",
+        "max_connections": ENGINE_CIRCUIT_LIMIT,
+        "max_pending_requests": ENGINE_CIRCUIT_LIMIT,
+        "max_requests": ENGINE_CIRCUIT_LIMIT,
+        "max_retries": ENGINE_CIRCUIT_LIMIT,
+    }]
+}  # fmt: skip
 
 
 def _policy(name: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -175,6 +190,8 @@ def bootstrap(
                 "virtual_hosts": [{
                     "name": "openai",
                     "domains": ["*"],
+                    # The picker counts the retries (flotilla_gateway_retries) from this response header.
+                    "include_attempt_count_in_response": True,
                     "routes": [{
                         "match": {"prefix": "/"},
                         "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s",
@@ -190,6 +207,7 @@ def bootstrap(
         "name": PICKER_CLUSTER,
         "type": "STATIC" if _is_ip(picker_host) else "STRICT_DNS",
         "connect_timeout": "1s",
+        "circuit_breakers": CIRCUIT_BREAKERS,
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -209,6 +227,7 @@ def bootstrap(
         "name": ENGINES_CLUSTER,
         "type": "EDS",
         "connect_timeout": "5s",
+        "circuit_breakers": CIRCUIT_BREAKERS,
         # The engines, from the picker (extproc/endpoints.py): override-host picks only among them.
         "eds_cluster_config": {
             "eds_config": {
