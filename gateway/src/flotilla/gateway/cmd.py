@@ -1,8 +1,9 @@
 """`flotilla gateway run`: the OpenAI front door for every InferenceService (with `--picker-port`, also the
 endpoint picker Envoy asks over ext_proc); `flotilla gateway envoy-config` and `envoy`: Envoy's bootstrap for
-that picker, and Envoy run on it; `flotilla gateway key`: a new
-API key for a tenant, stored hashed in a Secret the gateway reads. (`flotilla gateway bench
-routing|overhead`, the gateway measured against real engines, is flotilla-bench's: flotilla.bench.gateway.)
+that picker, and Envoy run on it; `flotilla gateway envoy-drain`: Envoy's graceful stop (the chart pod's
+preStop); `flotilla gateway key`: a new API key for a tenant, stored hashed in a Secret the gateway reads.
+(`flotilla gateway bench routing|overhead`, the gateway measured against real engines, is flotilla-bench's:
+flotilla.bench.gateway.)
 
 Import-light: the command functions import the server."""
 
@@ -68,7 +69,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                            help="how bodies pass the picker: BUFFERED (default) or GIE's reference full-duplex streaming")  # fmt: skip
         envoy.add_argument("--max-body-bytes", type=int, default=None)
         envoy.add_argument("--hold-timeout", type=float, default=None, help="as the gateway's")
+        envoy.add_argument("--stats-port", type=int, default=None,
+                           help="also listen here (on --host) for GET /stats/prometheus and /ready only, "
+                                "passed to the admin")  # fmt: skip
+        if name == "envoy-config":
+            envoy.add_argument("--admin-pipe", default=None, metavar="PATH",
+                               help="the admin on this unix socket instead of loopback (the chart's pod)")  # fmt: skip
+            envoy.add_argument("--out", type=Path, default=None, metavar="FILE",
+                               help="write the bootstrap to FILE instead of printing it")  # fmt: skip
         envoy.set_defaults(func=_envoy_config if name == "envoy-config" else _envoy)
+
+    drain = commands.add_parser(
+        "envoy-drain",
+        help="drain Envoy's listeners over its admin socket and wait for its requests (the pod's preStop)",
+    )
+    drain.add_argument("--admin-pipe", required=True, metavar="PATH", help="Envoy's admin unix socket")
+    drain.add_argument("--timeout", type=float, default=45.0, help="seconds to wait at most")
+    drain.add_argument("--settle", type=float, default=5.0,
+                       help="seconds to wait at least (the Service's endpoints dropping the pod)")  # fmt: skip
+    drain.set_defaults(func=_envoy_drain)
 
     chart = commands.add_parser(
         "chart", help="regenerate the gateway's files in charts/flotilla/files/ (RBAC)"
@@ -150,13 +169,22 @@ def _bootstrap(args: argparse.Namespace) -> dict:
                      listen_port=args.port, admin_port=args.admin_port, failure_mode=args.failure_mode,
                      body_mode=args.body_mode,
                      max_body_bytes=args.max_body_bytes or defaults.max_body_bytes,
-                     hold_timeout=args.hold_timeout if args.hold_timeout is not None else defaults.hold_timeout)  # fmt: skip
+                     hold_timeout=args.hold_timeout if args.hold_timeout is not None else defaults.hold_timeout,
+                     admin_pipe=getattr(args, "admin_pipe", None), stats_port=args.stats_port)  # fmt: skip
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
     import json
 
-    print(json.dumps(_bootstrap(args), indent=2))
+    text = json.dumps(_bootstrap(args), indent=2)
+    if args.out is None:
+        print(text)
+        return 0
+    # Whole or not at all: written beside the target, then renamed over it.
+    partial = args.out.with_name(args.out.name + ".partial")
+    partial.write_text(text + "\n")
+    partial.replace(args.out)
+    print(f"envoy-config: wrote {args.out}", file=sys.stderr)
     return 0
 
 
@@ -172,6 +200,13 @@ def _envoy(args: argparse.Namespace) -> int:
         return 0
     finally:
         envoy.stop()
+
+
+def _envoy_drain(args: argparse.Namespace) -> int:
+    from flotilla.gateway.proxy.drain import drain
+
+    drain(args.admin_pipe, args.timeout, args.settle)
+    return 0  # a preStop hook's failure changes nothing: the container is stopped all the same
 
 
 def new_key() -> str:

@@ -1,6 +1,8 @@
 """The Fleet dashboard: GPUs allocated and free under quota by GPU type and tenant, the idle GPU share,
-services by state, and the operator's health (reconciles, errors, latency, API calls, webhook
-refusals)."""
+services by state, the gateway (the picker's series: requests by status, rate limits, routing and
+predicted prefix hits, held requests, its own latency, retries; and Envoy's: requests by status class and in
+flight, retries to the engines, the picker's streams, the engines Envoy knows) and the operator's health
+(reconciles, errors, latency, API calls, webhook refusals)."""
 
 from __future__ import annotations
 
@@ -222,9 +224,122 @@ def dashboard() -> dict:
         FLEET_UID,
         "Flotilla / Fleet",
         "The whole fleet: GPUs allocated and free under quota by GPU type and tenant, the idle GPU share, "
-        "services by state, and the operator's health (reconciles, errors, latency, API calls, webhook "
-        "refusals). No series counts GPUs per node, so none is shown by node.",
+        "services by state, the gateway and its Envoy, and the operator's health (reconciles, errors, latency, "
+        "API calls, webhook refusals). No series counts GPUs per node, so none is shown by node.",
         variables,
-        [gpus, services, operator],
+        [gpus, services, _gateway_row(), operator],
         tags=["fleet"],
+    )
+
+
+def _quantile(q: float, histogram: str, by: str = "") -> str:
+    grouping = f"{c.LABEL_LE}, {by}" if by else c.LABEL_LE
+    return f"histogram_quantile({q}, sum by ({grouping}) ({rate(histogram + '_bucket', '')}))"
+
+
+# Envoy's series of the clients' listener (not the stats listener Prometheus itself reads), and of the
+# engines' cluster.
+_CLIENTS = f'{{{c.LABEL_ENVOY_PREFIX}="{c.ENVOY_CLIENTS_PREFIX}"}}'
+_ENGINES = f'{{{c.LABEL_ENVOY_CLUSTER}="{c.ENVOY_ENGINES_CLUSTER}"}}'
+
+
+def _gateway_row():
+    """The gateway's (and its picker's) series, then Envoy's own: every gateway replica summed."""
+    requests = c.counter_total(c.GATEWAY_REQUESTS)
+    hits, prompts = c.counter_total(c.GATEWAY_PREDICTED_HIT_TOKENS), c.counter_total(c.GATEWAY_PROMPT_TOKENS)
+    return g.row(
+        "Gateway",
+        g.timeseries(
+            "Gateway requests by status",
+            "Requests the gateway answered per second for the selected tenants (through Envoy and the "
+            "picker, or the relay), by HTTP status (401: no or bad key; 403: another tenant's model; 429: a "
+            "rate limit, a full hold queue or quota; 503: no replica became ready).",
+            g.target(f"sum by ({c.LABEL_CODE}) ({rate(requests, TEN)})", f"{{{{{c.LABEL_CODE}}}}}"),
+            unit="reqps",
+            width=8,
+        ),
+        g.timeseries(
+            "Rate-limited requests",
+            "Requests refused by their tenant's rate limit per second, by tenant and limit (requests or tokens "
+            "per Tenant.spec.rateLimits).",
+            g.target(
+                f"sum by ({c.LABEL_TENANT}, {c.LABEL_LIMIT}) ({rate(c.counter_total(c.GATEWAY_RATE_LIMITED), TEN)})",
+                f"{{{{{c.LABEL_TENANT}}}}} {{{{{c.LABEL_LIMIT}}}}}",
+            ),
+            unit="reqps",
+            width=8,
+        ),
+        g.timeseries(
+            "Routing",
+            "Routing decisions per second by reason, and the predicted prefix-hit share: prompt tokens the "
+            "chosen replica was predicted to hold in its prefix cache, over all prompt tokens routed.",
+            g.target(
+                f"sum by ({c.LABEL_REASON}) ({rate(c.counter_total(c.GATEWAY_ROUTING_DECISIONS), '')})",
+                f"{{{{{c.LABEL_REASON}}}}}",
+            ),
+            g.target(f"sum({rate(hits, '')}) / (sum({rate(prompts, '')}) > 0)", "predicted hit share"),
+            width=8,
+        ),
+        g.timeseries(
+            "Held for a replica",
+            "Requests the gateway holds for a service with no ready replica (scale from zero), by model.",
+            g.target(f"sum by ({c.LABEL_MODEL}) ({c.GATEWAY_HELD_REQUESTS})", f"{{{{{c.LABEL_MODEL}}}}}"),
+            width=8,
+        ),
+        g.timeseries(
+            "Gateway latency",
+            "What the gateway adds (arrival to the pick: keys, limits, tokenizing, routing), p50 and p99; and "
+            "the engine's time to first byte, p95 (through Envoy: the pick to the response's headers).",
+            g.target(_quantile(0.5, c.GATEWAY_ADDED_LATENCY), "added p50"),
+            g.target(_quantile(0.99, c.GATEWAY_ADDED_LATENCY), "added p99"),
+            g.target(_quantile(0.95, c.GATEWAY_UPSTREAM_TTFB), "upstream TTFB p95"),
+            unit="s",
+            width=8,
+        ),
+        g.timeseries(
+            "Retries before the first byte",
+            "Requests sent again to another replica per second (an engine that refused, reset or answered "
+            "503 before its response): the gateway's count by model (the relay's retries, and Envoy's to the "
+            "pick's fallback, which the picker reads from Envoy's attempt count), and Envoy's own count of "
+            "its retries to the engines, every model together.",
+            g.target(
+                f"sum by ({c.LABEL_MODEL}) ({rate(c.counter_total(c.GATEWAY_RETRIES), '')})",
+                f"{{{{{c.LABEL_MODEL}}}}}",
+            ),
+            g.target(f"sum({rate(c.ENVOY_UPSTREAM_RQ_RETRY, _ENGINES)})", "Envoy, all models"),
+            unit="reqps",
+            width=8,
+        ),
+        g.timeseries(
+            "Envoy requests by status class",
+            "Requests Envoy answered its clients per second, by status class (2xx, 4xx, 5xx: the picker's "
+            "refusals included; a 503 without the picker is Envoy's own, FailClose), and all requests "
+            "received.",
+            g.target(
+                f"sum by ({c.LABEL_ENVOY_CODE_CLASS}) ({rate(c.ENVOY_DOWNSTREAM_RQ_XX, _CLIENTS)})",
+                f"{{{{{c.LABEL_ENVOY_CODE_CLASS}}}}}xx",
+            ),
+            g.target(f"sum({rate(c.ENVOY_DOWNSTREAM_RQ, _CLIENTS)})", "received"),
+            unit="reqps",
+            width=8,
+        ),
+        g.timeseries(
+            "Envoy requests in flight",
+            "Client requests Envoy carries now, every gateway replica summed (held ones included: they wait "
+            "in Envoy for the picker's answer).",
+            g.target(f"sum({c.ENVOY_DOWNSTREAM_RQ_ACTIVE}{_CLIENTS})", "in flight"),
+            width=8,
+            decimals=0,
+        ),
+        g.timeseries(
+            "Envoy, the picker and the engines",
+            "Per second: ext_proc streams to the picker that failed, and picker answers Envoy timed out "
+            "waiting for; connections to engines that failed. And the engines Envoy knows from the picker "
+            "(EDS), at most over the gateway replicas.",
+            g.target(f"sum({rate(c.ENVOY_EXT_PROC_STREAMS_FAILED, _CLIENTS)})", "picker streams failed"),
+            g.target(f"sum({rate(c.ENVOY_EXT_PROC_MESSAGE_TIMEOUTS, _CLIENTS)})", "picker timeouts"),
+            g.target(f"sum({rate(c.ENVOY_UPSTREAM_CX_CONNECT_FAIL, _ENGINES)})", "engine connect failures"),
+            g.target(f"max({c.ENVOY_MEMBERSHIP_TOTAL}{_ENGINES})", "engines known"),
+            width=8,
+        ),
     )

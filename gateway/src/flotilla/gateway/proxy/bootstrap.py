@@ -15,6 +15,13 @@ SKIP.
 Timeouts: Envoy waits `message_timeout` for each answer of the picker; a request held for a replica asks
 for more (up to `max_message_timeout`, the hold timeout and a margin). The route has no overall timeout (a
 long generation is not an error); `idle_timeout` ends an upstream that stays silent that long.
+
+The admin: on loopback by default (`flotilla gateway envoy` on a workstation), or on a unix socket
+(`admin_pipe`, the chart's pod: the admin serves /quitquitquit and must not be on the pod's address, and a
+socket in the pod's own volume cannot collide with another replica's as a loopback port can on the local
+cluster, where pods share the host's network). With `stats_port`, a second listener serves only
+`GET /stats/prometheus` and `GET /ready` of the admin, through a cluster to it: what Prometheus and the
+kubelet's probe read, and nothing else.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from typing import Any, Literal
 from flotilla.contract import (
     DESTINATION_ENDPOINT_HEADER,
     DESTINATION_METADATA_NAMESPACE,
+    ENVOY_CLIENTS_PREFIX,
+    ENVOY_ENGINES_CLUSTER,
+    ENVOY_STATS_PATH,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
 )
@@ -33,7 +43,12 @@ from flotilla.gateway.config import DEFAULT_MAX_BODY_BYTES, HOLD_MARGIN_SECONDS
 BodyMode = Literal["BUFFERED", "FULL_DUPLEX_STREAMED"]
 FailureMode = Literal["FailClose", "FailOpen"]
 FAILURE_MODES: tuple[FailureMode, ...] = ("FailClose", "FailOpen")
-PICKER_CLUSTER, ENGINES_CLUSTER = "flotilla_picker", "flotilla_engines"
+# The engines' cluster and the clients' connection manager name Envoy's series the dashboards read (their
+# `envoy_cluster_name` and `envoy_http_conn_manager_prefix`): the contract's names.
+PICKER_CLUSTER, ENGINES_CLUSTER, ADMIN_CLUSTER = "flotilla_picker", ENVOY_ENGINES_CLUSTER, "flotilla_admin"
+LISTENER_STAT_PREFIX, STATS_STAT_PREFIX = ENVOY_CLIENTS_PREFIX, "flotilla_stats"
+# What the stats listener passes to the admin: Envoy's series for Prometheus, and readiness for probes.
+STATS_PATHS = (ENVOY_STATS_PATH, "/ready")
 BUFFER_MARGIN = 64 * 1024  # bytes of listener buffer above the body limit: headers, and the 413's own read
 # The status Envoy answers when the picker cannot be reached (FailClose): the service is unavailable, and
 # an OpenAI client retries it.
@@ -81,6 +96,10 @@ def _socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _pipe(path: str) -> dict[str, Any]:
+    return {"pipe": {"path": path}}
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -116,10 +135,15 @@ def bootstrap(
     hold_timeout: float = 300.0,
     upstream_idle_timeout: float = 600.0,
     subset_hint: list[str] | None = None,
+    admin_pipe: str | None = None,
+    stats_host: str | None = None,
+    stats_port: int | None = None,
 ) -> dict[str, Any]:
     """The bootstrap. Port 0 lets the kernel choose (EnvoyProcess reads the ports back from the admin).
     `subset_hint` sets GIE's subset hint on every request (the `envoy.lb.subset_hint` metadata a gateway
-    controller sets per route): the picker then picks among those `ip:port` endpoints only."""
+    controller sets per route): the picker then picks among those `ip:port` endpoints only.
+    `admin_pipe`: the admin on this unix socket instead of `admin_host:admin_port`. `stats_port`: the
+    stats listener (on `stats_host`, default `listen_host`), see the module's docstring."""
     if failure_mode not in FAILURE_MODES:
         raise ValueError(f"failure_mode must be one of {', '.join(FAILURE_MODES)}, not {failure_mode!r}")
     ext_proc = {
@@ -156,7 +180,7 @@ def bootstrap(
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
             "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-            "stat_prefix": "flotilla",
+            "stat_prefix": LISTENER_STAT_PREFIX,
             "codec_type": "AUTO",
             # A held request is silent until its replica is ready; a generation streams for long.
             "stream_idle_timeout": _duration(hold_timeout + upstream_idle_timeout),
@@ -228,17 +252,57 @@ def bootstrap(
             ]
         },
     }
+    admin_address = _pipe(admin_pipe) if admin_pipe else _socket(admin_host, admin_port)
+    listeners: list[dict[str, Any]] = [{
+        "name": "flotilla",
+        "address": _socket(listen_host, listen_port),
+        "per_connection_buffer_limit_bytes": max_body_bytes + BUFFER_MARGIN,
+        "filter_chains": [{"filters": [connection_manager]}],
+    }]  # fmt: skip
+    clusters = [picker_cluster, engines_cluster]
+    if stats_port is not None:
+        listeners.append(_stats_listener(stats_host or listen_host, stats_port))
+        clusters.append({
+            "name": ADMIN_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": ADMIN_CLUSTER,
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": admin_address}}]}],
+            },
+        })  # fmt: skip
     return {
         # xDS (the engines' EDS) needs a node identity; the picker serves every Envoy the same endpoints.
         "node": {"id": "flotilla-gateway", "cluster": "flotilla-gateway"},
-        "admin": {"address": _socket(admin_host, admin_port)},
-        "static_resources": {
-            "listeners": [{
-                "name": "flotilla",
-                "address": _socket(listen_host, listen_port),
-                "per_connection_buffer_limit_bytes": max_body_bytes + BUFFER_MARGIN,
-                "filter_chains": [{"filters": [connection_manager]}],
+        "admin": {"address": admin_address},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+def _stats_listener(host: str, port: int) -> dict[str, Any]:
+    """GET /stats/prometheus and GET /ready, passed to the admin; any other path or method: 404."""
+    routes = [{
+        "match": {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+        "route": {"cluster": ADMIN_CLUSTER},
+    } for path in STATS_PATHS]  # fmt: skip
+    manager = {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": STATS_STAT_PREFIX,
+            "codec_type": "AUTO",
+            "route_config": {
+                "name": "flotilla_stats",
+                "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": routes}],
+            },
+            "http_filters": [{
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": _T + "extensions.filters.http.router.v3.Router"},
             }],
-            "clusters": [picker_cluster, engines_cluster],
         },
     }  # fmt: skip
+    return {
+        "name": "flotilla_stats",
+        "address": _socket(host, port),
+        "filter_chains": [{"filters": [manager]}],
+    }

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from flotilla.contract import ENVOY_STATS_PATH
+
 START_TIMEOUT = 60.0  # seconds: a busy 2-core machine starts Envoy in about one
 
 
@@ -88,7 +90,7 @@ class EnvoyProcess:
 
     def stats(self) -> str:
         """Envoy's own series, as Prometheus scrapes them."""
-        return httpx.get(self.admin_url + "/stats/prometheus", timeout=5, trust_env=False).text
+        return httpx.get(self.admin_url + ENVOY_STATS_PATH, timeout=5, trust_env=False).text
 
     def wait(self) -> int:
         assert self.proc is not None
