@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.contract import (
     API_KEY_SECRET_LABEL,
+    GATEWAY_HELD_REQUESTS,
     GATEWAY_PREDICTED_HIT_TOKENS,
     GATEWAY_RATE_LIMITED,
     GATEWAY_REQUESTS,
@@ -272,6 +273,20 @@ def test_a_tenant_past_its_request_rate_gets_429_with_retry_after(engines, make_
     error = assert_error(responses[1], 429, "rate_limit_exceeded", "request")
     assert int(responses[1].headers["Retry-After"]) >= 1 and error["type"] == "rate_limit_error"
     assert total(gateway.url, counter_total(GATEWAY_RATE_LIMITED), tenant="team-a", limit="requests") >= 1
+
+
+def test_the_series_of_known_models_and_limits_start_at_zero(make_gateway):
+    """Before any retry, hold or refusal, a dashboard reads 0 for each model and each tenant's limit (not
+    no data); a model that is not served gets no series."""
+    chat = service("chat", [])
+    fleet = HandSetFleet([chat], limits={"team-a": RateLimits(1.0, 600), "team-b": RateLimits()})
+    gateway = make_gateway(fleet)
+    gateway.call_soon(fleet.changed)
+    assert samples(gateway.url, counter_total(GATEWAY_RETRIES)) == [({"model": chat.served_name}, 0.0)]
+    assert samples(gateway.url, GATEWAY_HELD_REQUESTS) == [({"model": chat.served_name}, 0.0)]
+    limited = sorted((labels["tenant"], labels["limit"], value)
+                     for labels, value in samples(gateway.url, counter_total(GATEWAY_RATE_LIMITED)))  # fmt: skip
+    assert limited == [("team-a", "requests", 0.0), ("team-a", "tokens", 0.0)]
 
 
 # -- held until a replica is ready -------------------------------------------------------------------------

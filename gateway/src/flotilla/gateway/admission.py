@@ -101,8 +101,15 @@ class FrontDoor:
                 self.holds.fail(key, service.adapter_refusal)
         keep = {s.key for s in [*self.fleet.index.services(), *self.fleet.index.adapters()]}
         self.router.forget_services(keep)
+        self.metrics.known(
+            sorted({s.served_name for s in self.fleet.index.services()}), self.limited_tenants()
+        )
         for listener in self.fleet_listeners:
             listener()
+
+    def limited_tenants(self) -> dict[str, list[str]]:
+        """Each tenant with a rate limit, and which limits it has."""
+        return {tenant: kinds for tenant, limits in self.fleet.limits.items() if (kinds := limits.kinds())}
 
     # -- before the body ------------------------------------------------------------------------------
     def authenticate(self, authorization: str | None) -> str | None:

@@ -61,3 +61,15 @@ class GatewayMetrics:
             [LABEL_REASON],
             registry=r,
         )
+
+    def known(self, models: list[str], limited: dict[str, list[str]]) -> None:
+        """Starts at 0 the labelled series of what the gateway serves (its models; its tenants' configured
+        limits), so that a dashboard reads "none yet" as 0 rather than as no data: a counter that first
+        appears at 1 shows no increase. Series of models that went away are kept (a counter does not
+        go backwards)."""
+        for model in models:
+            self.retries.labels(model)
+            self.held.labels(model)
+        for tenant, kinds in limited.items():
+            for kind in kinds:
+                self.rate_limited.labels(tenant, kind)

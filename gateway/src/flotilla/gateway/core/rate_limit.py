@@ -23,6 +23,15 @@ class RateLimits:
     requests_per_second: float | None = None
     tokens_per_minute: int | None = None
 
+    def kinds(self) -> list[LimitKind]:
+        """The limits set, by the name a refusal carries."""
+        set_: list[LimitKind] = []
+        if self.requests_per_second is not None:
+            set_.append("requests")
+        if self.tokens_per_minute is not None:
+            set_.append("tokens")
+        return set_
+
 
 UNLIMITED = RateLimits()
 
