@@ -11,8 +11,12 @@ One recorded run (a module fixture) sets up the fleet:
     Prometheus is not up yet when `chat`'s pod becomes ready, so its reads fail (the scrape-failure
     counter), and an over-quota service is refused by the webhook twice, once on each side of a scrape (the
     refusals panels count an increase, which a counter first seen at 1 does not show);
+  - the gateway on the host as the chart runs it (the picker, and the real Envoy in front of it), tenant A
+    with an API key and rate limits far above its traffic, and completions through Envoy during the load,
+    so that the Fleet dashboard's gateway row (the picker's series and Envoy's) has data;
   - Prometheus from `flotilla.monitoring.local.up`: kubernetes_sd through the API server for the engine
-    pods, a static target for the operator, Flotilla's rules file, a 2 s scrape and evaluation interval;
+    pods, static targets for the operator, the picker and Envoy's /stats/prometheus, Flotilla's rules
+    file, a 2 s scrape and evaluation interval;
   - load on every service from `flotilla engine bench serve` (shared prefixes, so the prefix cache hits),
     plus plain completions;
   - `chat` serves LoRA adapters (spec.engine.lora) and tenant A has a LoRAAdapter on it (a random PEFT
@@ -54,17 +58,22 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.processes import ProcessTable
+from flotilla.gateway.cmd import key_secret
+from flotilla.gateway.local import GatewayProcess, service_account_token
 from flotilla.monitoring import dashboards, grafana, local, rules
 from flotilla.operator.cmd.local import (
+    OPERATOR_NS,
     OperatorProcess,
     complete,
     inference_service,
     install_manifests,
+    kubeconfig_for,
     service_account_kubeconfig,
     tiny_model,
 )
@@ -82,6 +91,11 @@ TTFT_TARGET = 0.2  # chat's ttftP95TargetSeconds, near its TTFT: an engine bucke
 ENGINE = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4}
 ADAPTER = "tone"  # tenant A's LoRAAdapter on chat
 ADAPTER_REQUESTS = 40  # completions with the adapter, one a second or so, while the load runs
+GATEWAY_KEY = "fl-governance-" + RUN  # tenant A's API key, for completions through the gateway
+GATEWAY_REQUESTS = 20  # completions through Envoy and the picker, one a second or so, while the load runs
+# Tenant A's rate limits: far above what the test sends (none is refused), so that the refusal series
+# exist at 0.
+RATE_LIMITS = {"requestsPerSecond": 1000, "tokensPerMinute": 10_000_000}
 # Poisson arrivals for about 40 s per service, well within what three CPU engines serve at once, so the
 # drawings show traffic over time rather than one burst; shared prefixes, so the prefix cache hits.
 LOAD = ["--request-rate", "0.75", "--num-prompts", "30", "--max-concurrency", "4", "--input-len", "32",
@@ -110,13 +124,13 @@ class Fleet:
         return {"tenant": self.tenant_a, "namespace": self.ns_a, "service": "chat", "model": MODEL}
 
 
-def _tenant(name: str, namespace: str, quota: int, price: float, budget: float) -> str:
+def _tenant(name: str, namespace: str, quota: int, price: float, budget: float, **extra) -> str:
     spec = {
         "namespaces": [namespace],
         "gpuQuota": {"h100": quota},
         "pricePerGPUHour": {"h100": price},
         "monthlyBudget": budget,
-    }
+    } | extra
     return yaml.safe_dump(
         {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": name}, "spec": spec}
     )
@@ -166,6 +180,17 @@ def _adapter_load(endpoint: str, stop: threading.Event, answered: list[int]) -> 
         stop.wait(1.0)
 
 
+def _gateway_load(url: str, model: str, stop: threading.Event, answered: list[int]) -> None:
+    """Completions through the gateway (Envoy, asking the picker) with tenant A's key, about one a second."""
+    while not stop.is_set() and len(answered) < GATEWAY_REQUESTS:
+        body = {"model": model, "prompt": f"Through the gateway {len(answered)}", "max_tokens": 4}
+        rsp = httpx.post(url + "/v1/completions", json=body, timeout=120, trust_env=False,
+                         headers={"Authorization": f"Bearer {GATEWAY_KEY}"})  # fmt: skip
+        assert rsp.status_code == 200, rsp.text
+        answered.append(1)
+        stop.wait(1.0)
+
+
 def _adapter_loaded(cluster: ClusterHandle, namespace: str) -> bool:
     obj = cluster.get_json("loraadapter", ADAPTER, "-n", namespace)
     replicas = (obj.get("status") or {}).get("replicas") or []
@@ -195,12 +220,19 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         cluster.kubectl("create", "namespace", ns)
     prom_port = free_port()
     f.prometheus = f"http://127.0.0.1:{prom_port}"
+    master = workdir / "engine-token"
+    master.write_text(uuid.uuid4().hex)
     operator = OperatorProcess(
         service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
         workdir / "operator.log",
         ("--webhook-port", str(free_port()), "--metering-interval", METERING_INTERVAL,
-         "--prometheus-url", f.prometheus),
+         "--prometheus-url", f.prometheus, "--engine-token-file", str(master)),
     )  # fmt: skip
+    gateway_kubeconfig = kubeconfig_for(
+        cluster, workdir / "gateway.kubeconfig", {"token": service_account_token(cluster, OPERATOR_NS)}
+    )
+    gateway = GatewayProcess(gateway_kubeconfig, workdir / "gateway.log", OPERATOR_NS, master)
+    keys = key_secret(f.tenant_a, "governance", GATEWAY_KEY, OPERATOR_NS, f"{f.tenant_a}-keys")
     pids = ProcessTable(workdir / "pids")
     benches: dict[str, subprocess.Popen] = {}
     operator.start()
@@ -214,7 +246,8 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
             60,
             "the admission webhook to answer",
         )
-        cluster.apply(_tenant(f.tenant_a, f.ns_a, 2, 3.6, 1000))
+        cluster.apply(_tenant(f.tenant_a, f.ns_a, 2, 3.6, 1000, rateLimits=RATE_LIMITS))
+        cluster.apply(yaml.safe_dump(keys))
         cluster.apply(_tenant(f.tenant_b, f.ns_b, 2, 2.5, 5000))
         chat = inference_service(
             "chat", model, f.ns_a, served_name=MODEL, replicas=0, engine=ENGINE | {"lora": lora},
@@ -254,22 +287,32 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         wait_for(lambda: _adapter_loaded(cluster, f.ns_a), 120, f"{ADAPTER} Loaded in chat's replica")
         complete(endpoints["chat"], "Before Prometheus", model=ADAPTER)
 
+        gateway.start()
+        assert gateway.envoy is not None
+        envoy_stats = gateway.envoy.admin_url.removeprefix("http://") + "/stats/prometheus"
+
         rules_file = workdir / "flotilla-rules.yaml"
         rules_file.write_text(rules.render())
         f.started = time.time()
         local.up(
             cluster, workdir, port=prom_port, interval=INTERVAL, rule_files=[str(rules_file)],
-            static_targets={"flotilla-operator": [f"127.0.0.1:{operator.metrics_port}"]}, log=lambda _: None,
+            static_targets={"flotilla-operator": [f"127.0.0.1:{operator.metrics_port}"],
+                            "flotilla-gateway": [gateway.picker_url.removeprefix("http://")],
+                            "flotilla-gateway-envoy": [envoy_stats]},
+            log=lambda _: None,
         )  # fmt: skip
         engines = f'up{{namespace=~"{f.ns_a}|{f.ns_b}"}} == 1'
         wait_for(
             lambda: (
                 len(_vector(f.prometheus, engines)) == 3
                 and _vector(f.prometheus, 'up{job="flotilla-operator"} == 1')
+                and _vector(f.prometheus, 'up{job="flotilla-gateway"} == 1')
+                and _vector(f.prometheus, 'up{job="flotilla-gateway-envoy"} == 1')
                 and _vector(f.prometheus, f'flotilla_admission_denials_total{{tenant="{f.tenant_a}"}}')
             ),
             120,
-            "Prometheus to discover and scrape the three engine pods (kubernetes_sd) and the operator",
+            "Prometheus to discover and scrape the three engine pods (kubernetes_sd), the operator, the "
+            "gateway's picker and its Envoy",
         )
         _refuse_over_quota(cluster, f.ns_a)  # the counter now goes from 1 to 2 in Prometheus
         denied = f'sum(flotilla_admission_denials_total{{tenant="{f.tenant_a}"}}) >= 2'
@@ -283,6 +326,13 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
             target=_adapter_load, args=(endpoints["chat"], adapter_stop, adapter_answered), daemon=True
         )
         adapter_load.start()
+        gateway_stop, gateway_answered = threading.Event(), []
+        gateway_load = threading.Thread(
+            target=_gateway_load,
+            args=(gateway.url, f"{f.ns_a}/batch", gateway_stop, gateway_answered),
+            daemon=True,
+        )
+        gateway_load.start()
         benches |= {
             name: subprocess.Popen(
                 _bench_argv(endpoint, seed, workdir / f"bench-{name}.json"),
@@ -301,6 +351,10 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         adapter_stop.set()
         assert len(adapter_answered) >= ADAPTER_REQUESTS, f"{len(adapter_answered)} adapter completions"
         f.load[f"chat/{ADAPTER}"] = {"completions": len(adapter_answered)}
+        gateway_load.join(timeout=120)
+        gateway_stop.set()
+        assert len(gateway_answered) >= GATEWAY_REQUESTS, f"{len(gateway_answered)} gateway completions"
+        f.load["gateway"] = {"completions": len(gateway_answered)}
         f.kubeconfig = str(cluster.kubeconfig)
         yield f
     finally:
@@ -309,6 +363,8 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
                 bench.kill()
                 bench.wait(timeout=30)
         pids.stop(local.PROCESS)
+        gateway.stop()
+        cluster.kubectl("delete", "secret", "-n", OPERATOR_NS, f"{f.tenant_a}-keys", "--ignore-not-found")
         # The autoscaler is a kopf daemon, guarded by kopf's finalizer: delete while the operator runs.
         cluster.kubectl("delete", "loraadapter", "--all", "-n", f.ns_a, "--timeout=60s", check=False)
         for ns in (f.ns_a, f.ns_b):

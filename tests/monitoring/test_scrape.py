@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 import yaml
 
 from flotilla.cluster.paths import promtool_path
@@ -19,7 +20,8 @@ def test_promtool_accepts_the_generated_config(tmp_path):
     (tmp_path / "ca.crt").write_text("")
     (tmp_path / "token").write_text("t")
     access = ApiAccess("https://127.0.0.1:6443", str(tmp_path / "ca.crt"), str(tmp_path / "token"))
-    config = prometheus_config(access, namespaces=["team-a"], static_targets={"operator": ["127.0.0.1:8080"]})
+    static = {"operator": ["127.0.0.1:8080"], "envoy": ["127.0.0.1:19000/stats/prometheus"]}
+    config = prometheus_config(access, namespaces=["team-a"], static_targets=static)
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run(
@@ -29,6 +31,17 @@ def test_promtool_accepts_the_generated_config(tmp_path):
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_static_target_may_name_its_path_and_a_job_has_one():
+    static = {"operator": ["127.0.0.1:8080"], "envoy": ["127.0.0.1:19000/stats/prometheus"]}
+    jobs = {j["job_name"]: j for j in prometheus_config(static_targets=static)["scrape_configs"]}
+    assert jobs["operator"]["static_configs"] == [{"targets": ["127.0.0.1:8080"]}]
+    assert "metrics_path" not in jobs["operator"]
+    assert jobs["envoy"]["static_configs"] == [{"targets": ["127.0.0.1:19000"]}]
+    assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
+    with pytest.raises(ValueError, match="one path per job"):
+        prometheus_config(static_targets={"mixed": ["127.0.0.1:1", "127.0.0.1:2/stats/prometheus"]})
 
 
 def test_the_pod_job_keeps_annotated_pods_at_their_port_and_labels_namespace_and_pod():

@@ -112,11 +112,19 @@ def prometheus_config(
     rule_files: list[str] | None = None,
     interval: str = "15s",
 ) -> dict:
-    """A whole prometheus.yml. `static_targets` (job -> host:port) is for what runs outside the cluster,
-    such as an operator started on the host by `flotilla demo`."""
+    """A whole prometheus.yml. `static_targets` (job -> host:port, or host:port/path where the series are
+    not at /metrics, such as Envoy's /stats/prometheus) is for what runs outside the cluster, such as an
+    operator started on the host by `flotilla demo`."""
     jobs = [pod_scrape_job(access, namespaces), envoy_scrape_job(access, namespaces)]
     for job, targets in sorted((static_targets or {}).items()):
-        jobs.append({"job_name": job, "honor_labels": True, "static_configs": [{"targets": sorted(targets)}]})
+        addresses = sorted(target.partition("/")[0] for target in targets)
+        paths = {"/" + target.partition("/")[2] if "/" in target else "/metrics" for target in targets}
+        if len(paths) != 1:
+            raise ValueError(f"static_targets[{job!r}]: one path per job, not {sorted(paths)}")
+        static = {"job_name": job, "honor_labels": True, "static_configs": [{"targets": addresses}]}
+        if (path := paths.pop()) != "/metrics":
+            static["metrics_path"] = path
+        jobs.append(static)
     config: dict = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "scrape_configs": jobs,
