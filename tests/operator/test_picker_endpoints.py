@@ -95,12 +95,14 @@ def test_the_slice_lists_the_gateway_pods_with_their_readiness():
         _pod("gw-pending", None),
         _pod("gw-done", "10.0.0.9", phase="Succeeded"),
         _pod("gw-v6", "fd00::1"),
+        _pod("gw-local", "127.80.0.3"),  # the local cluster's: the API refuses loopback in a slice
+        _pod("gw-link", "169.254.1.1"),
     ]
     slice_ = picker_slice("team-a", OWNERS, pods, GW)
     assert slice_["metadata"]["name"] == SLICE_NAME
     labels = slice_["metadata"]["labels"]
     assert labels["kubernetes.io/service-name"] == GATEWAY_SERVICE
-    assert labels["endpointslice.kubernetes.io/managed-by"] == "flotilla.dev/operator"
+    assert labels["endpointslice.kubernetes.io/managed-by"] == "operator.flotilla.dev"
     assert slice_["addressType"] == "IPv4"
     assert slice_["ports"] == [
         {"name": "grpc-ext-proc", "port": PICKER_PORT, "protocol": "TCP", "appProtocol": APP_PROTOCOL}

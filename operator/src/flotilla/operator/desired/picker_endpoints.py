@@ -42,7 +42,9 @@ SLICE_API_VERSION = "discovery.k8s.io/v1"
 SLICE_NAME = f"{GATEWAY_SERVICE}-picker"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # which Service a slice serves
 SLICE_MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
-SLICE_MANAGER = "flotilla.dev/operator"  # not the EndpointSlice controller's, so it leaves the slice alone
+# Not the EndpointSlice controller's (endpointslice-controller.k8s.io), so it leaves the slice alone. A label
+# value: no slash.
+SLICE_MANAGER = "operator.flotilla.dev"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 COMPONENT = "endpoint-picker"
 
@@ -101,14 +103,20 @@ def picker_service(namespace: str, owners: list[ServiceRef]) -> dict:
 
 
 def _ipv4(pod: dict) -> str | None:
+    """The pod's IPv4 address, if it has one an EndpointSlice may hold: the API refuses loopback,
+    link-local, multicast and unspecified addresses (the local cluster's pods are on 127.x: none is listed
+    there)."""
     status = pod.get("status") or {}
     candidates = [status.get("podIP"), *(p.get("ip") for p in status.get("podIPs") or [])]
     for ip in candidates:
         try:
-            if ip and ipaddress.ip_address(ip).version == 4:
-                return ip
+            address = ipaddress.ip_address(ip or "")
         except ValueError:
             continue
+        if address.version == 4 and not (
+            address.is_loopback or address.is_link_local or address.is_multicast or address.is_unspecified
+        ):
+            return ip
     return None
 
 
@@ -118,8 +126,8 @@ def _ready(pod: dict) -> bool:
 
 
 def gateway_endpoints(pods: Iterable[dict], gateway_namespace: str) -> list[dict]:
-    """The gateway's pods as EndpointSlice endpoints, by pod name: those with an IPv4 address that have not
-    finished. ready and serving mirror the pod's Ready condition (a terminating pod is not ready, and says
+    """The gateway's pods as EndpointSlice endpoints, by pod name: those with an IPv4 address a slice may
+    hold that have not finished. ready and serving mirror the pod's Ready condition (a terminating pod is not ready, and says
     so), as Kubernetes' EndpointSlice controller does."""
     endpoints = []
     for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
