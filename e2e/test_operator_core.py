@@ -213,8 +213,17 @@ def test_service_gets_owned_children_pods_and_status(cluster, operator, namespac
         {"number": 9002},
         "FailClose",
     )
-    # Its status: Flotilla's gateway accepts it; the picker's Service is not in this namespace.
-    entry = wait_for(lambda: _pool_entry(cluster, namespace, "chat"), 60, "the pool's status entry")
+    # Its status: Flotilla's gateway accepts it, and the reference resolves: the operator keeps the picker's
+    # Service in the namespace (test_the_picker_service_reaches_the_gateway_pods).
+    entry = wait_for(
+        lambda: (
+            (e := _pool_entry(cluster, namespace, "chat"))
+            and e["conditions"]["ResolvedRefs"]["status"] == "True"
+            and e
+        ),
+        60,
+        "the pool's status entry, ResolvedRefs=True",
+    )
     assert entry["parentRef"] == {
         "group": "",
         "kind": "Service",
@@ -222,26 +231,7 @@ def test_service_gets_owned_children_pods_and_status(cluster, operator, namespac
         "namespace": OPERATOR_NS,
     }
     assert entry["conditions"]["Accepted"]["status"] == "True"
-    resolved = entry["conditions"]["ResolvedRefs"]
-    assert (resolved["status"], resolved["reason"]) == ("False", "InvalidExtensionRef"), resolved
-    # A Service of that name with the picker's port resolves the reference.
-    cluster.apply(
-        textwrap.dedent("""
-        apiVersion: v1
-        kind: Service
-        metadata: {name: flotilla-gateway}
-        spec: {ports: [{name: grpc, port: 9002}]}
-        """),
-        namespace,
-    )
-    wait_for(
-        lambda: (
-            (e := _pool_entry(cluster, namespace, "chat"))
-            and e["conditions"]["ResolvedRefs"]["status"] == "True"
-        ),
-        60,
-        "ResolvedRefs=True once the picker's Service exists",
-    )
+    assert entry["conditions"]["ResolvedRefs"]["reason"] == "ResolvedRefs"
 
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
@@ -276,6 +266,183 @@ def test_service_gets_owned_children_pods_and_status(cluster, operator, namespac
     table = cluster.kubectl("get", "fisvc", "chat", "-n", namespace).stdout
     for column in ("READY", "REPLICAS", "GPUS", "MODEL", "AGE"):
         assert column in table
+
+
+SLICE = "endpointslices.discovery.k8s.io"
+
+
+def _gateway_stand_in(name: str, *, runs: bool) -> str:
+    """A pod with the gateway's labels in the operator's namespace: the operator lists it in each
+    namespace's picker EndpointSlice as it would the chart's gateway pods. The local cluster's pods have
+    loopback IPs, which no EndpointSlice may hold, so one that `runs` (something trivial) must not be
+    listed; one that never runs (nothing schedules it) is a pod whose status the test writes, as a kubelet
+    would, with an address a slice may hold."""
+    spec: dict = {"containers": [{"name": "gateway", "image": "none", "command": ["sleep", "600"]}],
+                  "terminationGracePeriodSeconds": 1}  # fmt: skip
+    if not runs:
+        spec["nodeSelector"] = {"flotilla.dev/no-such-node": "true"}
+    labels = {"app.kubernetes.io/name": "flotilla-gateway", "app.kubernetes.io/instance": "e2e"}
+    return yaml.safe_dump({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                           "spec": spec})  # fmt: skip
+
+
+def _write_pod_status(cluster: ClusterHandle, name: str, ip: str, ready: bool) -> None:
+    status = {"podIP": ip, "podIPs": [{"ip": ip}],
+              "conditions": [{"type": "Ready", "status": str(ready)}]}  # fmt: skip
+    cluster.kubectl("patch", "pod", name, "-n", OPERATOR_NS, "--subresource=status", "--type=strategic",
+                    "-p", json.dumps({"status": status}))  # fmt: skip
+
+
+def _slice_endpoints(cluster: ClusterHandle, namespace: str) -> dict[str, dict] | None:
+    """The picker EndpointSlice's endpoints by address (None: no slice)."""
+    obj = _get(cluster, SLICE, "flotilla-gateway-picker", namespace)
+    if obj is None:
+        return None
+    return {e["addresses"][0]: e for e in obj.get("endpoints") or []}
+
+
+def test_the_picker_service_reaches_the_gateway_pods(cluster, operator, namespace, model_dir):
+    run = uuid.uuid4().hex[:6]
+    running, written = f"gateway-running-{run}", f"gateway-written-{run}"
+    ip = "10.80.0.7"  # the written one's
+    cluster.apply(_gateway_stand_in(running, runs=True), OPERATOR_NS)
+    cluster.apply(_gateway_stand_in(written, runs=False), OPERATOR_NS)
+    try:
+        cluster.apply(_isvc("one", model_dir), namespace)
+        cluster.apply(_isvc("two", model_dir), namespace)
+        uids = {
+            wait_for(lambda n=n: _get(cluster, "fisvc", n, namespace), 30, n)["metadata"]["uid"]
+            for n in ("one", "two")
+        }
+
+        # The Service the pools' endpointPickerRef names, in the pools' namespace: no selector, the picker's
+        # port, owned by both services (and by neither as controller).
+        svc = wait_for(
+            lambda: (
+                (s := _get(cluster, "service", "flotilla-gateway", namespace))
+                and {r["uid"] for r in s["metadata"].get("ownerReferences") or []} == uids
+                and s
+            ),
+            60,
+            "the picker's Service, owned by both services",
+        )
+        assert "selector" not in svc["spec"]
+        (port,) = svc["spec"]["ports"]
+        assert (port["port"], port["appProtocol"], port["protocol"]) == (9002, "kubernetes.io/h2c", "TCP")
+        assert not any(r.get("controller") for r in svc["metadata"]["ownerReferences"])
+        for name in ("one", "two"):
+            wait_for(
+                lambda name=name: (
+                    (e := _pool_entry(cluster, namespace, name))
+                    and e["conditions"]["ResolvedRefs"]["status"] == "True"
+                ),
+                60,
+                f"{name}: ResolvedRefs=True",
+            )
+
+        # Its EndpointSlice: the running pod (a loopback IP) is Ready but not listed; the written one is
+        # listed on 9002, ready as its Ready condition says.
+        loopback = wait_for(
+            lambda: (
+                (p := _get(cluster, "pod", running, OPERATOR_NS))
+                and _conditions(p).get("Ready", {}).get("status") == "True"
+                and p["status"]["podIP"]
+            ),
+            60,
+            "the running stand-in to be Ready",
+        )
+        _write_pod_status(cluster, written, ip, ready=True)
+        endpoints = wait_for(
+            lambda: (
+                (e := _slice_endpoints(cluster, namespace))
+                and ip in e
+                and e[ip]["conditions"]["ready"] is True
+                and e
+            ),
+            60,
+            "the slice to list the written stand-in, ready",
+        )
+        assert loopback not in endpoints and list(endpoints) == [ip], endpoints
+        assert endpoints[ip]["targetRef"]["name"] == written
+        assert endpoints[ip]["targetRef"]["namespace"] == OPERATOR_NS
+        obj = _get(cluster, SLICE, "flotilla-gateway-picker", namespace)
+        assert obj["metadata"]["labels"]["kubernetes.io/service-name"] == "flotilla-gateway"
+        assert obj["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] == "operator.flotilla.dev"
+        assert {r["uid"] for r in obj["metadata"]["ownerReferences"]} == uids
+        assert obj["ports"] == [
+            {"name": "grpc-ext-proc", "port": 9002, "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}
+        ]
+        _write_pod_status(cluster, written, ip, ready=False)
+        wait_for(
+            lambda: (
+                (_slice_endpoints(cluster, namespace) or {}).get(ip, {}).get("conditions", {}).get("ready")
+                is False
+            ),
+            60,
+            "the slice to say the stand-in is not ready",
+        )
+        _write_pod_status(cluster, written, ip, ready=True)
+
+        # Drift: a deleted slice comes back.
+        cluster.kubectl("delete", SLICE, "flotilla-gateway-picker", "-n", namespace)
+        wait_for(lambda: ip in (_slice_endpoints(cluster, namespace) or {}), 60, "the slice re-created")
+
+        # One service goes: the objects stay, owned by the other.
+        cluster.kubectl("delete", "fisvc", "one", "-n", namespace)
+        wait_for(
+            lambda: (
+                len((_get(cluster, "service", "flotilla-gateway", namespace) or {})
+                    .get("metadata", {}).get("ownerReferences") or []) == 1
+            ),
+            60,
+            "the picker's Service owned by the remaining service only",
+        )  # fmt: skip
+        assert _slice_endpoints(cluster, namespace) is not None
+
+        # The gateway pod goes: the slice drops it.
+        cluster.kubectl("delete", "pod", written, "-n", OPERATOR_NS, "--wait=false")
+        wait_for(
+            lambda: (e := _slice_endpoints(cluster, namespace)) is not None and ip not in e,
+            60,
+            "the slice to drop the deleted pod",
+        )
+
+        # The last service goes: the garbage collector removes both.
+        cluster.kubectl("delete", "fisvc", "two", "-n", namespace)
+        wait_for(
+            lambda: _get(cluster, "service", "flotilla-gateway", namespace) is None,
+            90,
+            "the picker's Service to be collected",
+        )
+        wait_for(lambda: _slice_endpoints(cluster, namespace) is None, 90, "the slice to be collected")
+
+        # A flotilla-gateway Service someone else made is never adopted: the pool says what it lacks.
+        cluster.apply(
+            textwrap.dedent("""
+            apiVersion: v1
+            kind: Service
+            metadata: {name: flotilla-gateway, labels: {app: theirs}}
+            spec: {selector: {app: theirs}, ports: [{name: http, port: 80}]}
+            """),
+            namespace,
+        )
+        cluster.apply(_isvc("three", model_dir), namespace)
+        entry = wait_for(
+            lambda: (e := _pool_entry(cluster, namespace, "three")) and e,
+            60,
+            "three: the pool's status entry",
+        )
+        resolved = entry["conditions"]["ResolvedRefs"]
+        assert (resolved["status"], resolved["reason"]) == ("False", "InvalidExtensionRef"), resolved
+        assert "has no port 9002" in resolved["message"]
+        theirs = _get(cluster, "service", "flotilla-gateway", namespace)
+        assert theirs["spec"]["selector"] == {"app": "theirs"}
+        assert [p["port"] for p in theirs["spec"]["ports"]] == [80]
+        assert not theirs["metadata"].get("ownerReferences")
+        assert _slice_endpoints(cluster, namespace) is None
+    finally:
+        for pod in (running, written):
+            cluster.kubectl("delete", "pod", pod, "-n", OPERATOR_NS, "--wait=false", check=False)
 
 
 def test_a_draft_model_is_mounted_beside_the_served_one(cluster, operator, namespace, model_dir, tmp_path):
@@ -600,6 +767,10 @@ def test_operator_identity_is_least_privilege(cluster, operator):
         ("patch", POOL, "yes"),
         ("patch", f"{POOL}/status", "yes"),
         ("delete", POOL, "no"),
+        ("list", SLICE, "yes"),
+        ("create", SLICE, "no"),  # only the picker's slice, by name
+        ("patch", f"{SLICE}/flotilla-gateway-picker", "yes"),
+        ("delete", SLICE, "no"),
     ]:
         result = cluster.kubectl("auth", "can-i", verb, resource, who, "-A", check=False)
         assert result.stdout.strip() == allowed, (verb, resource, result.stdout, result.stderr)

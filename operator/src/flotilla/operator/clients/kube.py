@@ -27,6 +27,7 @@ class Kube:
         self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
         self.policy = client.PolicyV1Api(api_client)
+        self.discovery = client.DiscoveryV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
 
     @staticmethod
@@ -51,6 +52,7 @@ class Kube:
             "Service": self.core.patch_namespaced_service,
             "PodDisruptionBudget": self.policy.patch_namespaced_pod_disruption_budget,
             "Secret": self.core.patch_namespaced_secret,
+            "EndpointSlice": self.discovery.patch_namespaced_endpoint_slice,
             gie.KIND: self._patch_inference_pool,
         }[kind]
         API_CALLS.labels(verb="apply", resource=kind).inc()

@@ -8,7 +8,7 @@ import logging
 
 import kopf
 
-from flotilla.operator.controllers import indexes
+from flotilla.operator.controllers import indexes, picker_endpoints
 from flotilla.operator.controllers.indexes import MANAGED, POOLS, index_one, is_picker_service, plain
 from flotilla.operator.controllers.state import Runtime
 from flotilla.operator.controllers.sync import correct_drift, going_away, refresh_services, refresh_status
@@ -46,6 +46,8 @@ def picker_service_event(event: dict, namespace: str, memo: kopf.Memo, **kwargs)
     namespace's services say so in ResolvedRefs."""
     rt: Runtime = memo.runtime
     body = None if event.get("type") == "DELETED" else event.get("object")
+    # The operator's own Service there: re-applied when edited or deleted while the namespace has services.
+    picker_endpoints.sync_pickers_logged(memo, kwargs, [namespace], "picker-service")
     ports = picker_ports(body)
     if namespace in rt.picker_ports and rt.picker_ports[namespace] == ports:
         return

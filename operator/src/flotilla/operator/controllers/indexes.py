@@ -1,7 +1,8 @@
 """In-memory indexes, filled by kopf from watches before any handler runs, so that a reconcile reads no
 API: nodes' GPU types, Tenants, namespaces' labels, InferenceServices, the Deployments, pods and
-InferencePools the operator owns, the LoRAAdapters' names, and the Services the pools' endpointPickerRef names. Also the readers
-that turn an index into what the pure code wants."""
+InferencePools the operator owns, the LoRAAdapters' names, the Services the pools' endpointPickerRef names,
+the EndpointSlices the operator keeps for them and the gateway's pods those list. Also the readers that turn
+an index into what the pure code wants."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from flotilla.operator.api.v1alpha1 import (
     VERSION,
     TenantSpec,
 )
+from flotilla.operator.desired.picker_endpoints import GATEWAY_POD_LABELS, SLICE_NAME
 from flotilla.operator.naming import GPU_TYPE_LABEL, MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL
 
 log = logging.getLogger("flotilla.operator")
@@ -36,6 +38,8 @@ NAMES = (
     "gpu_pods",
     "inference_pools",
     "picker_services",
+    "picker_slices",
+    "gateway_pods",
     "lora_adapter_names",
 )
 
@@ -97,9 +101,46 @@ def is_picker_service(name: str, **_) -> bool:
 
 
 @kopf.index("", "v1", "services", when=is_picker_service)
-def picker_services(namespace: str, spec: dict, **_) -> dict:
-    ports = [{"port": p.get("port")} for p in spec.get("ports") or []]
-    return {namespace: {"spec": {"ports": ports}}}
+def picker_services(namespace: str, meta: dict, spec: dict, **_) -> dict:
+    """Its ports (the pools' ResolvedRefs), and whether the operator made it (desired/picker_endpoints.py:
+    its labels, owners and selector)."""
+    return {
+        namespace: {
+            "metadata": {k: plain(meta[k]) for k in ("labels", "ownerReferences") if meta.get(k)},
+            "spec": {k: plain(spec[k]) for k in ("type", "ports", "selector") if spec.get(k)},
+        }
+    }
+
+
+def is_picker_slice(name: str, **_) -> bool:
+    """The EndpointSlice the operator keeps beside each namespace's picker Service."""
+    return name == SLICE_NAME
+
+
+@kopf.index("discovery.k8s.io", "v1", "endpointslices", when=is_picker_slice)
+def picker_slices(namespace: str, body: kopf.Body, **_) -> dict:
+    return {namespace: plain(body)}
+
+
+def in_gateway_namespace(namespace: str, memo: kopf.Memo, **_) -> bool:
+    """The gateway's pods are those of its namespace (the operator's, --operator-namespace)."""
+    return namespace == memo.runtime.config.gateway_namespace
+
+
+@kopf.index("", "v1", "pods", labels=GATEWAY_POD_LABELS, when=in_gateway_namespace)
+def gateway_pods(name: str, body: kopf.Body, **_) -> dict:
+    """What the picker's EndpointSlices list of each gateway pod: its IPs, node, readiness, whether it is
+    terminating."""
+    status = body.get("status") or {}
+    return {
+        name: {
+            "metadata": {k: body.meta[k] for k in ("name", "deletionTimestamp") if body.meta.get(k)},
+            "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},
+            "status": {
+                k: plain(status[k]) for k in ("phase", "podIP", "podIPs", "conditions") if k in status
+            },
+        }
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,6 +159,15 @@ def plain(value):
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
     return value
+
+
+def index_all(index: kopf.Index) -> list[dict]:
+    return [obj for store in index.values() for obj in store]
+
+
+def index_firsts(index: kopf.Index) -> dict:
+    """One object per key (the indexes of one object per key: per namespace, per name)."""
+    return {key: obj for key, store in index.items() for obj in list(store)[:1]}
 
 
 def index_one(index: kopf.Index, key) -> dict | None:

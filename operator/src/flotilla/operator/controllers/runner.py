@@ -69,6 +69,7 @@ def run_operator(
         lifecycle,  # kopf's settings and login
         lora_adapters,  # LoRAAdapters loaded into their base service's replicas
         metering,  # metering, tenant RBAC and ResourceQuota
+        picker_endpoints,  # the picker's Service and EndpointSlice in each namespace with services
         service_events,  # the InferenceService reconcile
     )
     from flotilla.operator.metrics import serve

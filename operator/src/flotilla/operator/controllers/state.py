@@ -42,6 +42,10 @@ class Runtime:
     # Per namespace, the ports of the Service InferencePools' endpointPickerRef names, as last seen (None:
     # there is none), to spot the changes that alter the pools' ResolvedRefs.
     picker_ports: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+    # One round of the picker's per-namespace Service and EndpointSlice at a time (picker_endpoints.py), and
+    # the namespaces where a flotilla-gateway Service the operator did not make was last seen.
+    picker_lock: threading.Lock = field(default_factory=threading.Lock)
+    foreign_pickers: set[str] = field(default_factory=set)
     backstop_limits: dict[str, int] = field(default_factory=dict)  # namespace -> GPU limit last applied
     # Each autoscaled service's daemon waits on its event between decisions; a demand sets it (autoscaling.py).
     autoscaler_wake: dict[Key, asyncio.Event] = field(default_factory=dict)

@@ -11,6 +11,7 @@ import yaml
 from flotilla.contract import ENGINE_TOKEN_SECRET
 from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, LORA_ADAPTER, TENANT
+from flotilla.operator.desired.picker_endpoints import SLICE_NAME
 from flotilla.operator.tenancy import rbac as tenant_rbac
 
 NAMESPACE = "flotilla-system"  # the operator's own; MANIFEST_FILE is rendered for it
@@ -44,7 +45,18 @@ RULES: list[tuple[str, list[str], list[str], str]] = [
     ),
     (GROUP, [f"{LORA_ADAPTER.plural}/status"], ["get", "patch"], "each replica's phase and the conditions"),
     ("apps", ["deployments"], ["get", "list", "watch", "create", "patch"], "engine pods; drift correction"),
-    ("", ["services"], ["get", "list", "watch", "create", "patch"], "the service's stable address"),
+    (
+        "",
+        ["services"],
+        ["get", "list", "watch", "create", "patch"],
+        "the service's stable address; the picker's Service flotilla-gateway in each namespace with services",
+    ),
+    (
+        "discovery.k8s.io",
+        ["endpointslices"],
+        ["get", "list", "watch"],
+        "the picker's EndpointSlices (drift); writes are limited by name below",
+    ),
     ("policy", ["poddisruptionbudgets"], ["get", "list", "watch", "create", "patch"], "drain safety"),
     (
         gie.GROUP,
@@ -91,6 +103,14 @@ NAMED_RULES: list[tuple[str, list[str], list[str], list[str], str]] = [
         ["create", "patch"],
         "the engines' internal token in each namespace with InferenceServices (--engine-token-file); "
         "written by server-side apply, never read",
+    ),
+    (
+        "discovery.k8s.io",
+        ["endpointslices"],
+        [SLICE_NAME],
+        ["create", "patch"],
+        "the gateway's pods behind the picker's Service in each namespace with services (the pools' "
+        "endpointPickerRef); removed by the garbage collector",
     ),
 ]
 
