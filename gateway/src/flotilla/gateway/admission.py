@@ -28,7 +28,7 @@ from flotilla.contract import OPENAI_PATH
 from flotilla.gateway.config import GatewaySettings
 from flotilla.gateway.core.keys import parse_bearer
 from flotilla.gateway.core.picker import Decision
-from flotilla.gateway.core.rate_limit import Limited, RateLimiter
+from flotilla.gateway.core.rate_limit import Limited, LimitKind, RateLimiter
 from flotilla.gateway.core.services import ServiceView, routable, scales_from_zero
 from flotilla.gateway.engine_stats import EngineStats
 from flotilla.gateway.errors import GatewayError
@@ -107,7 +107,7 @@ class FrontDoor:
         for listener in self.fleet_listeners:
             listener()
 
-    def limited_tenants(self) -> dict[str, list[str]]:
+    def limited_tenants(self) -> dict[str, list[LimitKind]]:
         """Each tenant with a rate limit, and which limits it has."""
         return {tenant: kinds for tenant, limits in self.fleet.limits.items() if (kinds := limits.kinds())}
 

@@ -5,6 +5,8 @@ latency; rate-limit refusals and retries; streams cut after their first output."
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flotilla.contract import (
@@ -62,7 +64,7 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def known(self, models: list[str], limited: dict[str, list[str]]) -> None:
+    def known(self, models: list[str], limited: Mapping[str, Sequence[str]]) -> None:
         """Starts at 0 the labelled series of what the gateway serves (its models; its tenants' configured
         limits), so that a dashboard reads "none yet" as 0 rather than as no data: a counter that first
         appears at 1 shows no increase. Series of models that went away are kept (a counter does not
