@@ -23,6 +23,7 @@ import yaml
 
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.helm import helm
+from flotilla.operator.api.conditions import is_ready
 from flotilla.operator.cmd.local import inference_service, tiny_model
 from flotilla.operator.cmd.local_chart import (
     CHART_DIR,
@@ -32,7 +33,6 @@ from flotilla.operator.cmd.local_chart import (
     install,
     local_values,
     operator_pods,
-    pod_ready,
 )
 
 pytestmark = pytest.mark.cluster
@@ -66,7 +66,7 @@ def chart(cluster: ClusterHandle):
 def _scale_operator(cluster: ClusterHandle, values: dict, replicas: int) -> None:
     install(cluster, values, chart=ROOT / CHART_DIR)
     wait_for(
-        lambda: len([p for p in operator_pods(cluster) if pod_ready(p)]) == replicas,
+        lambda: len([p for p in operator_pods(cluster) if is_ready(p)]) == replicas,
         180,
         f"{replicas} Ready operator pods",
     )

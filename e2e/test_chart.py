@@ -21,6 +21,7 @@ from flotilla import contract
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.helm import helm
 from flotilla.gateway.cmd import key_secret
+from flotilla.operator.api.conditions import is_ready
 from flotilla.operator.cmd.local import complete, inference_service, tiny_model
 from flotilla.operator.cmd.local_chart import (
     CHART_DIR,
@@ -30,7 +31,6 @@ from flotilla.operator.cmd.local_chart import (
     install,
     local_values,
     operator_pods,
-    pod_ready,
     uninstall,
 )
 
@@ -112,7 +112,7 @@ def test_rendered_manifests_pass_the_api_servers_dry_run(cluster: ClusterHandle)
 
 def test_the_operator_runs_as_a_pod_under_its_service_account(release: Release, cluster: ClusterHandle):
     (pod,) = operator_pods(cluster)
-    assert pod_ready(pod)
+    assert is_ready(pod)
     assert pod["spec"]["serviceAccountName"] == "flotilla-operator"
     # kopf peering: the operator made its meeting place itself (the chart cannot ship it beside its CRD).
     wait_for(
@@ -180,7 +180,7 @@ def _envoys_stats_count_the_requests(cluster: ClusterHandle) -> None:
     """Envoy's stats port on the gateway pod's IP (what Prometheus's flotilla-envoy job scrapes) counts the
     requests just sent; the rest of the admin is not there."""
     pods = cluster.get_json("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=flotilla-gateway")["items"]
-    (pod,) = [p for p in pods if pod_ready(p)]
+    (pod,) = [p for p in pods if is_ready(p)]
     envoy = next(c for c in pod["spec"]["initContainers"] if c["name"] == "envoy")
     port = next(p["containerPort"] for p in envoy["ports"] if p["name"] == contract.ENVOY_STATS_PORT_NAME)
     stats = f"http://{pod['status']['podIP']}:{port}"
@@ -289,7 +289,7 @@ def test_upgrade_keeps_the_webhook_objects_engine_pods_and_metering(release: Rel
                 [
                     p
                     for p in operator_pods(cluster)
-                    if p["metadata"]["uid"] != old_operator["metadata"]["uid"] and pod_ready(p)
+                    if p["metadata"]["uid"] != old_operator["metadata"]["uid"] and is_ready(p)
                 ]
                 and len(operator_pods(cluster)) == 1
             ),

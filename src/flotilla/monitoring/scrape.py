@@ -3,8 +3,8 @@
 and the gateway), at the annotated port and path, labelled `namespace` and `pod` as the usual
 `kubernetes-pods` job does; and a second job, `flotilla-envoy`, for Envoy's own series in the gateway pods:
 a pod's annotations name one port, so Envoy's stats port is found by its container port name
-(`envoy-stats`, at /stats/prometheus), as service meshes find their proxies'. One source for `flotilla monitoring up`, the plain scrape file in
-deploy/monitoring/ and the e2e tests. Pure: it returns dicts.
+(`envoy-stats`, at /stats/prometheus), as service meshes find their proxies'. One source for `flotilla
+monitoring up`, the plain scrape file in deploy/monitoring/ and the e2e tests. Pure: it returns dicts.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from flotilla.bench.gateway.figures import (
     ceiling_comparison,
     compare_policies,
     cpu_shares,
+    data_planes,
     distribution,
     format_overhead,
     format_routing,
@@ -29,7 +30,6 @@ from flotilla.bench.gateway.figures import (
     sample_sum,
     throughput_summary,
 )
-from flotilla.bench.gateway.overhead import data_planes
 from flotilla.bench.gateway.procs import (
     PYTHON_CLI,
     cpu_seconds,
@@ -300,8 +300,11 @@ def test_bench_flags_parse() -> None:
     assert (args.envoy_target_p50_ms, args.envoy_target_p99_ms, args.throughput_target) == (1.0, 5.0, 5.0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gateway", "bench", "overhead", "--data-plane", "nginx"])
-    assert data_planes("both") == ("relay", "envoy") and data_planes("envoy") == ("envoy",)
-    assert routing.data_planes("both") == ("envoy", "relay") and routing.data_planes("relay") == ("relay",)
+    # overhead measures the baseline (the relay) first; routing the target's data plane (Envoy)
+    assert data_planes("both", first="relay") == ("relay", "envoy")
+    assert data_planes("envoy", first="relay") == ("envoy",)
+    assert data_planes("both", first="envoy") == ("envoy", "relay")
+    assert data_planes("relay", first="envoy") == ("relay",)
     # a run is named by its policy alone with one data plane, by both with several (logs, PNG)
     assert routing.run_label("prefix", "envoy", ("envoy",)) == "prefix"
     assert routing.run_label("prefix", "relay", ("envoy", "relay")) == "prefix (relay)"

@@ -208,6 +208,15 @@ def format_routing(policies: Mapping[str, Mapping[str, Any]], comparison: Mappin
 
 # -- `overhead` -------------------------------------------------------------------------------------------
 DATA_PLANE_NAMES = {"relay": "the relay", "envoy": "Envoy + picker"}
+
+
+def data_planes(choice: str, first: str) -> tuple[str, ...]:
+    """The data planes a `--data-plane` choice (`envoy`, `relay` or `both`) runs, `first` first when both."""
+    if choice != "both":
+        return (choice,)
+    return (first, *(plane for plane in DATA_PLANE_NAMES if plane != first))
+
+
 CLIENT_BOUND_SHARE = 0.7  # a data plane above this share of the client's own ceiling measures the client
 
 

@@ -38,6 +38,7 @@ from typing import Any
 from flotilla.bench.gateway.figures import (
     ceiling_comparison,
     cpu_shares,
+    data_planes,
     distribution,
     format_overhead,
     json_safe,
@@ -74,11 +75,6 @@ STUB_DIRECT_SECONDS = 3.0
 ENVOY_CONCURRENCY = 1  # Envoy's worker threads: one core's worth
 
 
-def data_planes(choice: str) -> tuple[str, ...]:
-    """The data planes a `--data-plane` choice measures, the baseline (the relay) first."""
-    return ("relay", "envoy") if choice == "both" else (choice,)
-
-
 @dataclass
 class Front:
     """Where clients send for one data plane, the gateway process whose /metrics counts its picks, and the
@@ -97,7 +93,7 @@ def body(model: str) -> bytes:
 def run_overhead(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    planes = data_planes(args.data_plane)
+    planes = data_planes(args.data_plane, first="relay")  # the baseline first
     cpus = available_cpus()
     gateway_cpu = args.gateway_cpu if args.gateway_cpu is not None else cpus[-1]
     if gateway_cpu not in cpus:

@@ -41,6 +41,7 @@ from flotilla.bench.gateway.figures import (
     DATA_PLANE_NAMES,
     ChatRecord,
     compare_policies,
+    data_planes,
     deltas,
     format_routing,
     json_safe,
@@ -96,7 +97,7 @@ def run_routing(args: argparse.Namespace) -> int:
         f"messages ~{sizing['user_tokens']} tokens, longest prompt ~{sizing['longest_prompt_tokens']} of "
         f"{sizing['context']} tokens; concurrency {args.concurrency}, {args.replicas} replicas"
     )
-    planes = data_planes(args.data_plane)
+    planes = data_planes(args.data_plane, first="envoy")  # the target's data plane first
     results: dict[str, dict[str, Any]] = {}
     requests: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for plane in planes:
@@ -155,11 +156,6 @@ def run_routing(args: argparse.Namespace) -> int:
     progress(f"wrote {json_path}" + (f" and {png}" if png else " (no PNG: matplotlib is not installed)"))
     failed = [s["failed"] for result in results.values() for s in result["policies"].values()]
     return 0 if not any(failed) else 1
-
-
-def data_planes(choice: str) -> tuple[str, ...]:
-    """The data planes a `--data-plane` choice runs, in order (Envoy, the target, first)."""
-    return ("envoy", "relay") if choice == "both" else (choice,)
 
 
 def run_label(policy: str, plane: str, planes: tuple[str, ...]) -> str:

@@ -100,6 +100,28 @@ def _pipe(path: str) -> dict[str, Any]:
     return {"pipe": {"path": path}}
 
 
+ROUTER = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": _T + "extensions.filters.http.router.v3.Router"},
+}
+
+
+def _http_manager(stat_prefix: str, route_config: dict[str, Any], http_filters: list[dict[str, Any]],
+                  **options: Any) -> dict[str, Any]:  # fmt: skip
+    """An HTTP connection manager network filter: its stats under `stat_prefix`, its routes, its filters."""
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": stat_prefix,
+            "codec_type": "AUTO",
+            **options,
+            "route_config": route_config,
+            "http_filters": http_filters,
+        },
+    }
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -169,40 +191,29 @@ def bootstrap(
                               "value": {SUBSET_HINT_KEY: list(subset_hint)}}],
             },
         })  # fmt: skip
-    filters += [
-        ext_proc,
+    filters += [ext_proc, ROUTER]
+    connection_manager = _http_manager(
+        LISTENER_STAT_PREFIX,
         {
-            "name": "envoy.filters.http.router",
-            "typed_config": {"@type": _T + "extensions.filters.http.router.v3.Router"},
-        },
-    ]
-    connection_manager = {
-        "name": "envoy.filters.network.http_connection_manager",
-        "typed_config": {
-            "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-            "stat_prefix": LISTENER_STAT_PREFIX,
-            "codec_type": "AUTO",
-            # A held request is silent until its replica is ready; a generation streams for long.
-            "stream_idle_timeout": _duration(hold_timeout + upstream_idle_timeout),
-            "request_timeout": "0s",
-            "route_config": {
-                "name": "flotilla",
-                "virtual_hosts": [{
-                    "name": "openai",
-                    "domains": ["*"],
-                    # The picker counts the retries (flotilla_gateway_retries) from this response header.
-                    "include_attempt_count_in_response": True,
-                    "routes": [{
-                        "match": {"prefix": "/"},
-                        "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s",
-                                  "idle_timeout": _duration(upstream_idle_timeout),
-                                  "retry_policy": RETRY_POLICY},
-                    }],
+            "name": "flotilla",
+            "virtual_hosts": [{
+                "name": "openai",
+                "domains": ["*"],
+                # The picker counts the retries (flotilla_gateway_retries) from this response header.
+                "include_attempt_count_in_response": True,
+                "routes": [{
+                    "match": {"prefix": "/"},
+                    "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s",
+                              "idle_timeout": _duration(upstream_idle_timeout),
+                              "retry_policy": RETRY_POLICY},
                 }],
-            },
-            "http_filters": filters,
+            }],
         },
-    }  # fmt: skip
+        filters,
+        # A held request is silent until its replica is ready; a generation streams for long.
+        stream_idle_timeout=_duration(hold_timeout + upstream_idle_timeout),
+        request_timeout="0s",
+    )  # fmt: skip
     picker_cluster = {
         "name": PICKER_CLUSTER,
         "type": "STATIC" if _is_ip(picker_host) else "STRICT_DNS",
@@ -285,22 +296,11 @@ def _stats_listener(host: str, port: int) -> dict[str, Any]:
         "match": {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
         "route": {"cluster": ADMIN_CLUSTER},
     } for path in STATS_PATHS]  # fmt: skip
-    manager = {
-        "name": "envoy.filters.network.http_connection_manager",
-        "typed_config": {
-            "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-            "stat_prefix": STATS_STAT_PREFIX,
-            "codec_type": "AUTO",
-            "route_config": {
-                "name": "flotilla_stats",
-                "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": routes}],
-            },
-            "http_filters": [{
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": _T + "extensions.filters.http.router.v3.Router"},
-            }],
-        },
-    }  # fmt: skip
+    manager = _http_manager(
+        STATS_STAT_PREFIX,
+        {"name": "flotilla_stats", "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": routes}]},
+        [ROUTER],
+    )
     return {
         "name": "flotilla_stats",
         "address": _socket(host, port),

@@ -24,7 +24,8 @@ ACTIVE_STAT = f"http.{LISTENER_STAT_PREFIX}.downstream_rq_active"  # the clients
 _ACTIVE = re.compile(rf"^{re.escape(ACTIVE_STAT)}: (\d+)$", re.MULTILINE)
 
 
-def _client(admin_pipe: str) -> httpx.Client:
+def admin_client(admin_pipe: str) -> httpx.Client:
+    """Envoy's admin, over its unix socket."""
     return httpx.Client(
         transport=httpx.HTTPTransport(uds=admin_pipe), base_url="http://envoy", timeout=5, trust_env=False
     )
@@ -42,7 +43,7 @@ def drain(admin_pipe: str, timeout: float, settle: float = 5.0, poll: float = 0.
     """Starts the drain and waits as above; returns the requests still in flight (0: all finished)."""
     start = time.monotonic()
     try:
-        with _client(admin_pipe) as client:
+        with admin_client(admin_pipe) as client:
             client.post("/drain_listeners", params={"graceful": ""}).raise_for_status()
             print(
                 f"envoy-drain: draining Envoy's listeners (admin {admin_pipe})", file=sys.stderr, flush=True

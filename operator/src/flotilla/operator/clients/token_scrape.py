@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from flotilla.operator.api.conditions import is_ready
 from flotilla.operator.api.v1alpha1 import TokenCount
 from flotilla.operator.clients.engine_metrics import ScrapeError, metrics_url, parse_engine_metrics
 from flotilla.operator.naming import SERVICE_LABEL
@@ -41,10 +42,7 @@ def read_token_counters(pods: list[dict], timeout: float = 1.0) -> dict[str, Pod
     with httpx.Client(timeout=timeout, trust_env=False) as http:
         for pod in pods:
             meta, status = pod["metadata"], pod["status"]
-            ready = any(
-                c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-            )
-            if not (ready and status.get("podIP") and SERVICE_LABEL in (meta.get("labels") or {})):
+            if not (is_ready(pod) and status.get("podIP") and SERVICE_LABEL in (meta.get("labels") or {})):
                 continue
             try:
                 rsp = http.get(metrics_url(status["podIP"]))

@@ -33,12 +33,6 @@ def operator_pods(cluster: ClusterHandle) -> list[dict]:
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
-def pod_ready(pod: dict) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", [])
-    )
-
-
 def free_node_port() -> int:
     """A port in the node-port range that nothing on 127.0.0.1 listens on now (tried from a random start,
     so two clusters on one host rarely pick the same)."""

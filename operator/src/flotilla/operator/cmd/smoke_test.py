@@ -8,6 +8,7 @@ import sys
 import time
 
 from flotilla.contract import OPENAI_PATH
+from flotilla.operator.api.conditions import is_ready
 
 NAME = "flotilla-helm-test"
 SERVED_NAME = "helm-test"
@@ -38,11 +39,8 @@ def service(model_uri: str, gpu_type: str | None) -> dict:
 
 def ready_endpoint(obj: dict) -> str | None:
     status = obj.get("status") or {}
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-    )
     endpoints = status.get("endpoints") or []
-    return endpoints[0] if ready and endpoints else None
+    return endpoints[0] if is_ready(obj) and endpoints else None
 
 
 def run(args: argparse.Namespace) -> int:

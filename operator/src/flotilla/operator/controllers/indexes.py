@@ -167,7 +167,7 @@ def index_all(index: kopf.Index) -> list[dict]:
 
 def index_firsts(index: kopf.Index) -> dict:
     """One object per key (the indexes of one object per key: per namespace, per name)."""
-    return {key: obj for key, store in index.items() for obj in list(store)[:1]}
+    return {key: obj for key in list(index) if (obj := index_one(index, key)) is not None}
 
 
 def index_one(index: kopf.Index, key) -> dict | None:

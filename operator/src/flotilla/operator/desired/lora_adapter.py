@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from flotilla import ownership
 from flotilla.contract import engine_base_url
 from flotilla.fetch_uri import FetchError, parse_fetch_uri, redact_uri
+from flotilla.operator.api.conditions import is_ready
 from flotilla.operator.api.v1alpha1 import (
     LORA_SOURCE_SCHEMES,
     AdapterReplica,
@@ -252,10 +253,7 @@ def ready_replicas(pods: Iterable[Mapping]) -> list[Replica]:
     out = []
     for pod in pods:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-        )
-        if ready and status.get("podIP") and meta.get("name") and not meta.get("deletionTimestamp"):
+        if is_ready(pod) and status.get("podIP") and meta.get("name") and not meta.get("deletionTimestamp"):
             out.append(Replica(meta["name"], engine_base_url(status["podIP"])))
     return sorted(out, key=lambda r: r.pod)
 

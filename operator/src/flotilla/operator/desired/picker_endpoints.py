@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from flotilla.contract import GATEWAY_SERVICE, PICKER_PORT
+from flotilla.operator.api.conditions import is_ready
 from flotilla.operator.api.v1alpha1 import API_VERSION, INFERENCE_SERVICE
 from flotilla.operator.config import OperatorConfig
 from flotilla.operator.desired.drift import contains
@@ -120,11 +121,6 @@ def _ipv4(pod: dict) -> str | None:
     return None
 
 
-def _ready(pod: dict) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
 def gateway_endpoints(pods: Iterable[dict], gateway_namespace: str) -> list[dict]:
     """The gateway's pods as EndpointSlice endpoints, by pod name: those with an IPv4 address a slice may
     hold that have not finished. ready and serving mirror the pod's Ready condition (a terminating pod is not ready, and says
@@ -135,7 +131,7 @@ def gateway_endpoints(pods: Iterable[dict], gateway_namespace: str) -> list[dict
         ip = _ipv4(pod)
         if ip is None or status.get("phase") in ("Succeeded", "Failed"):
             continue
-        ready, terminating = _ready(pod), bool(meta.get("deletionTimestamp"))
+        ready, terminating = is_ready(pod), bool(meta.get("deletionTimestamp"))
         endpoint = {
             "addresses": [ip],
             "conditions": {"ready": ready and not terminating, "serving": ready, "terminating": terminating},
