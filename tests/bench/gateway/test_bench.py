@@ -11,8 +11,13 @@ from pathlib import Path
 import pytest
 
 from flotilla.bench.gateway import routing
+from flotilla.bench.gateway.bounds import bound_config
 from flotilla.bench.gateway.figures import (
+    BOUND_PLANES,
     CLIENT_BOUND_SHARE,
+    ENVOY_ALONE,
+    NULL_PICKER,
+    NULL_PICKER_REQUEST_PHASES,
     ChatRecord,
     added_latency,
     ceiling_comparison,
@@ -53,6 +58,7 @@ from flotilla.contract import (
     PREFIX_CACHE_HITS,
     counter_total,
 )
+from flotilla.gateway.proxy.bootstrap import bootstrap, processing_mode
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -218,6 +224,52 @@ def test_ceiling_comparison_against_the_target() -> None:
     assert t["requests_per_s"] == 250.0 and t["errors"] == 1 and t["latency_ms"]["p50"] == pytest.approx(10.0)
 
 
+def test_every_plane_is_read_over_the_relay_and_the_bounds_leave_the_target_alone() -> None:
+    relay = throughput_summary([0.01] * 1000, errors=0, duration=1.0, concurrency=32)
+    envoy = throughput_summary([0.01] * 900, errors=0, duration=1.0, concurrency=32)
+    null = throughput_summary([0.002] * 5500, errors=0, duration=1.0, concurrency=32)
+    client = throughput_summary([0.001] * 20000, errors=0, duration=1.0, concurrency=32)
+    read = ceiling_comparison({"relay": relay, "envoy": envoy, NULL_PICKER: null}, client, target=5.0)
+    assert read["over_relay"] == {"envoy": pytest.approx(0.9), NULL_PICKER: pytest.approx(5.5)}
+    assert read["met"] is False  # the target is Envoy + Flotilla's picker's, never a bound's
+    text = format_overhead(_overhead_report(("relay", "envoy", NULL_PICKER)))
+    assert "Envoy + null Go picker over the relay: 5.50x (a bound)" in text
+    assert "Envoy + picker over the relay: 6.00x (target >= 5x: MET)" in text
+
+
+def test_the_bound_bootstraps_differ_from_the_served_one_only_where_they_say() -> None:
+    served = bootstrap(picker_host="127.0.0.1", picker_port=9002, listen_port=8080, admin_port=9901)
+
+    def http_filters(config: dict) -> list[dict]:
+        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        return manager["typed_config"]["http_filters"]
+
+    def engines(config: dict) -> dict:
+        return next(c for c in config["static_resources"]["clusters"] if c["name"] == "flotilla_engines")
+
+    for plane in BOUND_PLANES:
+        config = bound_config(served, plane, upstream_port=7000)
+        endpoint = engines(config)["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        assert endpoint["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 7000}
+        assert engines(config)["type"] == "STATIC" and "eds_cluster_config" not in engines(config)
+        names = [f["name"] for f in http_filters(config)]
+        assert ("envoy.filters.http.ext_proc" in names) == (plane != ENVOY_ALONE)
+        assert names[-1] == "envoy.filters.http.router"
+    assert engines(served)["type"] == "EDS"  # the served bootstrap is left as it was
+    modes = {
+        plane: next(f for f in http_filters(bound_config(served, plane, 7000)) if "ext_proc" in f["name"])[
+            "typed_config"
+        ]["processing_mode"]
+        for plane in (NULL_PICKER, NULL_PICKER_REQUEST_PHASES)
+    }
+    assert modes[NULL_PICKER] == processing_mode("BUFFERED")
+    assert modes[NULL_PICKER_REQUEST_PHASES]["response_header_mode"] == "SKIP"
+    assert modes[NULL_PICKER_REQUEST_PHASES]["response_body_mode"] == "NONE"
+    assert modes[NULL_PICKER_REQUEST_PHASES]["request_body_mode"] == "BUFFERED"
+    with pytest.raises(ValueError, match="plane must be one of envoy-alone"):
+        bound_config(served, "envoy", 7000)
+
+
 def test_cpu_shares_of_one_core() -> None:
     shares = cpu_shares(
         {"envoy": 10.0, "picker": 20.0, "gone": None}, {"envoy": 10.5, "picker": 21.8, "gone": 3.0}, 2.0
@@ -234,7 +286,7 @@ def _overhead_report(planes: tuple[str, ...]) -> dict:
     samples = {"direct": [0.010] * 5, "relay": [0.013] * 5, "envoy": [0.0105] * 5}
     latency = latency_summary({k: v for k, v in samples.items() if k == "direct" or k in planes}, targets)
     latency.update(errors=0)
-    loops = {"relay": [0.01] * 1000, "envoy": [0.002] * 6000}
+    loops = {"relay": [0.01] * 1000, "envoy": [0.002] * 6000, NULL_PICKER: [0.002] * 5500}
     throughput: dict = {p: throughput_summary(loops[p], 0, 1.0, 32) for p in planes}
     if "envoy" in planes:
         throughput["envoy"]["cpu_share"] = {"envoy": 0.25, "picker": 0.75}

@@ -83,6 +83,9 @@ def add_bench_commands(benches: argparse._SubParsersAction) -> None:
     )
     overhead.add_argument("--gateway-cpu", type=int, default=None,
                           help="the CPU the relay, and Envoy with the picker, are pinned to (default: the last this process may use)")  # fmt: skip
+    overhead.add_argument("--bounds", action="store_true",
+                          help="also measure, in front of the stub, Envoy alone and Envoy + a null picker in Go "
+                               "(built with `go build`): the floor under any picker")  # fmt: skip
     overhead.set_defaults(func=_overhead)
 
 

@@ -207,14 +207,28 @@ def format_routing(policies: Mapping[str, Mapping[str, Any]], comparison: Mappin
 
 
 # -- `overhead` -------------------------------------------------------------------------------------------
-DATA_PLANE_NAMES = {"relay": "the relay", "envoy": "Envoy + picker"}
+SERVED_PLANES = ("relay", "envoy")  # what `--data-plane` chooses among
+# The floor under any picker (`overhead --bounds`, bounds.py): measured in front of the stub only.
+ENVOY_ALONE, NULL_PICKER, NULL_PICKER_REQUEST_PHASES = (
+    "envoy-alone",
+    "null-picker",
+    "null-picker-request-phases",
+)
+BOUND_PLANES = (ENVOY_ALONE, NULL_PICKER, NULL_PICKER_REQUEST_PHASES)
+DATA_PLANE_NAMES = {
+    "relay": "the relay",
+    "envoy": "Envoy + picker",
+    ENVOY_ALONE: "Envoy alone (no ext_proc)",
+    NULL_PICKER: "Envoy + null Go picker",
+    NULL_PICKER_REQUEST_PHASES: "Envoy + null Go picker, request phases only",
+}
 
 
 def data_planes(choice: str, first: str) -> tuple[str, ...]:
     """The data planes a `--data-plane` choice (`envoy`, `relay` or `both`) runs, `first` first when both."""
     if choice != "both":
         return (choice,)
-    return (first, *(plane for plane in DATA_PLANE_NAMES if plane != first))
+    return (first, *(plane for plane in SERVED_PLANES if plane != first))
 
 
 CLIENT_BOUND_SHARE = 0.7  # a data plane above this share of the client's own ceiling measures the client
@@ -286,10 +300,12 @@ def ceiling_comparison(
     planes: Mapping[str, Mapping[str, Any]], client: Mapping[str, Any], target: float
 ) -> dict[str, Any]:
     """The pinned data planes' requests/s (throughput summaries by plane): Envoy + picker's over the
-    relay's against `target` (None, not met, without both), and which planes came within
-    CLIENT_BOUND_SHARE of `client` (the same loop straight to the stub): their figure is a floor."""
+    relay's against `target` (None, not met, without both), every other plane's over the relay's too
+    (`over_relay`), and which planes came within CLIENT_BOUND_SHARE of `client` (the same loop straight
+    to the stub): their figure is a floor."""
     rps = {plane: summary["requests_per_s"] for plane, summary in planes.items()}
     over = ratio(rps.get("envoy"), rps.get("relay"))
+    over_relay = {plane: ratio(value, rps.get("relay")) for plane, value in rps.items() if plane != "relay"}
     ceiling = client.get("requests_per_s")
     bound = sorted(
         plane for plane, value in rps.items() if value and ceiling and value >= CLIENT_BOUND_SHARE * ceiling
@@ -298,6 +314,7 @@ def ceiling_comparison(
         "requests_per_s": rps,
         "client_requests_per_s": ceiling,
         "envoy_over_relay": over,
+        "over_relay": over_relay,
         "target_ratio": target,
         "met": over is not None and over >= target,
         "client_bound": bound,
@@ -352,6 +369,12 @@ def format_overhead(report: Mapping[str, Any]) -> str:
             f"requests/s on one core, Envoy + picker over the relay: {comparison['envoy_over_relay']:.2f}x "
             f"(target >= {comparison['target_ratio']:g}x: {_verdict(comparison['met'])})"
         )
+    for plane in BOUND_PLANES:
+        over = comparison.get("over_relay", {}).get(plane)
+        if over is not None:
+            lines.append(
+                f"requests/s on one core, {DATA_PLANE_NAMES[plane]} over the relay: {over:.2f}x (a bound)"
+            )
     for plane in comparison["client_bound"]:
         lines.append(
             f"warning: {DATA_PLANE_NAMES.get(plane, plane)} came within {CLIENT_BOUND_SHARE:.0%} of the "

