@@ -58,7 +58,13 @@ from flotilla.contract import (
     PREFIX_CACHE_HITS,
     counter_total,
 )
-from flotilla.gateway.proxy.bootstrap import bootstrap, processing_mode
+from flotilla.gateway.proxy.bootstrap import (
+    ENGINES_CLUSTER,
+    EXT_PROC_FILTER,
+    ROUTER,
+    bootstrap,
+    processing_mode,
+)
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -245,7 +251,7 @@ def test_the_bound_bootstraps_differ_from_the_served_one_only_where_they_say() -
         return manager["typed_config"]["http_filters"]
 
     def engines(config: dict) -> dict:
-        return next(c for c in config["static_resources"]["clusters"] if c["name"] == "flotilla_engines")
+        return next(c for c in config["static_resources"]["clusters"] if c["name"] == ENGINES_CLUSTER)
 
     for plane in BOUND_PLANES:
         config = bound_config(served, plane, upstream_port=7000)
@@ -253,13 +259,13 @@ def test_the_bound_bootstraps_differ_from_the_served_one_only_where_they_say() -
         assert endpoint["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 7000}
         assert engines(config)["type"] == "STATIC" and "eds_cluster_config" not in engines(config)
         names = [f["name"] for f in http_filters(config)]
-        assert ("envoy.filters.http.ext_proc" in names) == (plane != ENVOY_ALONE)
-        assert names[-1] == "envoy.filters.http.router"
+        assert (EXT_PROC_FILTER in names) == (plane != ENVOY_ALONE)
+        assert names[-1] == ROUTER["name"]
     assert engines(served)["type"] == "EDS"  # the served bootstrap is left as it was
     modes = {
-        plane: next(f for f in http_filters(bound_config(served, plane, 7000)) if "ext_proc" in f["name"])[
-            "typed_config"
-        ]["processing_mode"]
+        plane: next(
+            f for f in http_filters(bound_config(served, plane, 7000)) if f["name"] == EXT_PROC_FILTER
+        )["typed_config"]["processing_mode"]
         for plane in (NULL_PICKER, NULL_PICKER_REQUEST_PHASES)
     }
     assert modes[NULL_PICKER] == processing_mode("BUFFERED")

@@ -21,10 +21,9 @@ from typing import Any
 
 from flotilla.bench.gateway.figures import BOUND_PLANES, ENVOY_ALONE, NULL_PICKER_REQUEST_PHASES
 from flotilla.bench.gateway.procs import HOST, Proc, StartupError, progress
+from flotilla.gateway.proxy.bootstrap import ENGINES_CLUSTER, EXT_PROC_FILTER
 
 NULL_PICKER_SOURCE = Path(__file__).with_name("nullpicker")
-ENGINES_CLUSTER = "flotilla_engines"
-EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 
 
 def bound_config(config: dict[str, Any], plane: str, upstream_port: int) -> dict[str, Any]:

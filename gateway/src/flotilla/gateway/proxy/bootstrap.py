@@ -46,6 +46,7 @@ FAILURE_MODES: tuple[FailureMode, ...] = ("FailClose", "FailOpen")
 # The engines' cluster and the clients' connection manager name Envoy's series the dashboards read (their
 # `envoy_cluster_name` and `envoy_http_conn_manager_prefix`): the contract's names.
 PICKER_CLUSTER, ENGINES_CLUSTER, ADMIN_CLUSTER = "flotilla_picker", ENVOY_ENGINES_CLUSTER, "flotilla_admin"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 LISTENER_STAT_PREFIX, STATS_STAT_PREFIX = ENVOY_CLIENTS_PREFIX, "flotilla_stats"
 # What the stats listener passes to the admin: Envoy's series for Prometheus, and readiness for probes.
 STATS_PATHS = (ENVOY_STATS_PATH, "/ready")
@@ -169,7 +170,7 @@ def bootstrap(
     if failure_mode not in FAILURE_MODES:
         raise ValueError(f"failure_mode must be one of {', '.join(FAILURE_MODES)}, not {failure_mode!r}")
     ext_proc = {
-        "name": "envoy.filters.http.ext_proc",
+        "name": EXT_PROC_FILTER,
         "typed_config": {
             "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
