@@ -76,6 +76,6 @@ def build_null_picker(out: Path) -> Path:
 
 def null_picker_proc(binary: Path, port: int, destination_port: int, log: Path, cpus: list[int]) -> Proc:
     """The null picker on `port`, every request to the upstream on `destination_port`, not yet started (it
-    serves gRPC only: wait for it with `wait_listening`)."""
+    serves gRPC only: ready once it listens)."""
     argv = [str(binary), "-listen", f"{HOST}:{port}", "-destination", f"{HOST}:{destination_port}"]
-    return Proc("null-picker", argv, port, log, cpus=cpus)
+    return Proc("null-picker", argv, port, log, cpus=cpus, listens_only=True)

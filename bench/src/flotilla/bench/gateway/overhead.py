@@ -66,7 +66,6 @@ from flotilla.bench.gateway.procs import (
     progress,
     stop_all,
     wait_healthy,
-    wait_listening,
 )
 from flotilla.bench.gateway.rawhttp import Connection, HTTPError
 from flotilla.contract import FLAG_PORT, GATEWAY_ADDED_LATENCY, METRICS_PATH, OPENAI_PATH
@@ -198,7 +197,7 @@ def start_bounds(
     null_port, *ports = free_ports(1 + 2 * len(BOUND_PLANES))
     null = null_picker_proc(binary, null_port, stub_port, out / "overhead-null-picker.log", [cpu])
     started.append(null.start())
-    wait_listening(null, args.startup_timeout)
+    wait_healthy([null], args.startup_timeout)
     fronts: dict[str, Front] = {}
     for plane, port, admin_port in zip(BOUND_PLANES, ports[0::2], ports[1::2], strict=True):
 

@@ -136,10 +136,13 @@ class Proc:
     """One subprocess with a URL and a log file."""
 
     def __init__(self, name: str, argv: list[str], port: int, log: Path, cpus: Iterable[int] | None = None,
-                 health_url: str | None = None):  # fmt: skip
+                 health_url: str | None = None, listens_only: bool = False):  # fmt: skip
+        """`health_url` answers 200 once ready (default its /health); `listens_only`: it serves no HTTP
+        (a gRPC server), and is ready once its port accepts a connection."""
         self.name, self.argv, self.port, self.log = name, argv, port, log
         self.url = f"http://{HOST}:{port}"
         self.health_url = health_url or self.url + HEALTH_PATH
+        self.listens_only = listens_only
         self.cpus = sorted(cpus) if cpus is not None else None
         self.proc: subprocess.Popen | None = None
 
@@ -155,6 +158,13 @@ class Proc:
                 start_new_session=True, preexec_fn=pin_to(self.cpus) if self.cpus is not None else None,
             )  # fmt: skip
         return self
+
+    def ready(self) -> bool:
+        if self.listens_only:
+            with contextlib.suppress(OSError), socket.create_connection((HOST, self.port), timeout=1):
+                return True
+            return False
+        return probe(self.health_url) == 200
 
     @property
     def pid(self) -> int | None:
@@ -185,7 +195,8 @@ class StartupError(RuntimeError):
 
 
 def wait_healthy(procs: list[Proc], timeout: float) -> None:
-    """Polls each /health until 200; fails at once if a process exits, or at the deadline, naming the log."""
+    """Polls each until ready (`Proc.ready`); fails at once if a process exits, or at the deadline, naming
+    the log."""
     deadline = time.monotonic() + timeout
     waiting = list(procs)
     while waiting:
@@ -194,7 +205,7 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
             if code is not None:
                 raise StartupError(f"{proc.name} exited with code {code} before it was healthy; its log, "
                                    f"{proc.log}, ends:\n{proc.log_tail()}")  # fmt: skip
-            if probe(proc.health_url) == 200:
+            if proc.ready():
                 waiting.remove(proc)
         if not waiting:
             return
@@ -203,24 +214,6 @@ def wait_healthy(procs: list[Proc], timeout: float) -> None:
             raise StartupError(f"not healthy within {timeout:g}s: {names}; the first log ends:\n"
                                f"{waiting[0].log_tail()}")  # fmt: skip
         time.sleep(0.25)
-
-
-def wait_listening(proc: Proc, timeout: float) -> None:
-    """Waits until `proc`'s port accepts a TCP connection (a process with no HTTP health, such as a gRPC
-    server); fails at once if it exits, or at the deadline, naming the log."""
-    deadline = time.monotonic() + timeout
-    while True:
-        code = proc.proc.poll() if proc.proc else None
-        if code is not None:
-            raise StartupError(f"{proc.name} exited with code {code} before it listened; its log, "
-                               f"{proc.log}, ends:\n{proc.log_tail()}")  # fmt: skip
-        with contextlib.suppress(OSError), socket.create_connection((HOST, proc.port), timeout=1):
-            return
-        if time.monotonic() > deadline:
-            raise StartupError(
-                f"{proc.name} not listening on {proc.port} within {timeout:g}s (log: {proc.log})"
-            )
-        time.sleep(0.1)
 
 
 def health(url: str) -> int | None:

@@ -23,19 +23,22 @@
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
 
-/* Asks for every line of one block's keys and values (`bytes` per token: the KV heads this call reads)
- * into L2, at once. */
+/* Asks for `bytes` of keys and values from element `index` of the caches (a token's lines of the KV heads
+ * asked for), into L2. */
+static inline __attribute__((always_inline)) void prefetch_token(const void *k_cache, const void *v_cache,
+                                                                 int64_t index, int bytes, int elem) {
+    const char *k = (const char *)k_cache + index * elem, *v = (const char *)v_cache + index * elem;
+    for (int off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(k + off, 0, 1);
+        __builtin_prefetch(v + off, 0, 1);
+    }
+}
+
+/* Every token of one block, at once. */
 static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t block, int block_size,
                                   int64_t token_stride, int bytes, int elem) {
-    const int64_t first = block * block_size * token_stride; /* element index */
-    for (int t = 0; t < block_size; t++) {
-        const char *k = (const char *)k_cache + (first + t * token_stride) * elem;
-        const char *v = (const char *)v_cache + (first + t * token_stride) * elem;
-        for (int off = 0; off < bytes; off += 64) {
-            __builtin_prefetch(k + off, 0, 1);
-            __builtin_prefetch(v + off, 0, 1);
-        }
-    }
+    for (int t = 0; t < block_size; t++)
+        prefetch_token(k_cache, v_cache, (block * block_size + t) * token_stride, bytes, elem);
 }
 
 /* One request's `kv_count` KV heads from its first: their query heads (group per KV head, rows of q and o)
@@ -126,13 +129,9 @@ static inline __attribute__((always_inline)) void attend_heads(
                 for (int d = 0; d < nv; d++) a[g][d] = acc[h0 + g][d] * splat(correction[g]);
             for (int t = 0; t < n; t++) {
                 const int64_t v = base + (int64_t)t * token_stride;
-                if (after_next >= 0) { /* this token's lines of this KV head, two blocks on */
-                    const int64_t ahead = (after_next + (int64_t)t * token_stride + (int64_t)c * head_dim) * elem;
-                    for (int off = 0; off < head_dim * elem; off += 64) {
-                        __builtin_prefetch((const char *)k_cache + ahead + off, 0, 1);
-                        __builtin_prefetch((const char *)v_cache + ahead + off, 0, 1);
-                    }
-                }
+                if (after_next >= 0) /* this token's lines of this KV head, two blocks on */
+                    prefetch_token(k_cache, v_cache, after_next + (int64_t)t * token_stride + (int64_t)c * head_dim,
+                                   head_dim * elem, elem);
                 v8f p[MAX_GROUP];
                 for (int g = 0; g < group; g++) p[g] = splat(scores[h0 + g][t]);
                 for (int d = 0; d < nv; d++) {
