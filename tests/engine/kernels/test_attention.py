@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flotilla.engine.kernels import attention, cpu_decode
+from flotilla.engine.kernels import attention, c_library, cpu_decode
 
 
 def random_paged(seq_lens, num_kv_heads, head_dim, block_size, seed=0):
@@ -85,12 +85,42 @@ CPU_KERNEL_CASES = [
     (4, 12, 4, 64, [3, 4, 5, 13]),
     (64, 16, 1, 128, [200, 1, 64, 65]),
     (1, 2, 2, 8, [1, 7]),
+    (16, 6, 2, 96, [50, 16, 1]),  # the wide path with a head_dim it has no constant copy for
+    (16, 4, 4, 80, [23, 40]),  # a multiple of 16, not of 32: the narrow path everywhere
 ]
+
+# The native build (16-float vectors on AVX-512 machines with bfloat16 dot products) and one without
+# AVX-512 (8-float vectors): both paths are checked on a machine that has the wide one.
+NARROW_FLAGS = ("-mno-avx512f",)
+
+
+@pytest.fixture(params=["native", "narrow"])
+def kernel_build(request, monkeypatch):
+    if request.param == "narrow":
+        library = c_library.load(NARROW_FLAGS)
+
+        def narrow(dtype):
+            fn = getattr(library, cpu_decode.SYMBOLS[dtype])
+            fn.argtypes, fn.restype = cpu_decode._ARGS, cpu_decode.ctypes.c_int32
+            return fn
+
+        monkeypatch.setattr(cpu_decode, "kernel", narrow)
+    return request.param
+
+
+def test_the_narrow_build_has_8_lanes_and_an_avx512_bf16_machine_builds_16():
+    narrow = c_library.load(NARROW_FLAGS).flotilla_paged_decode_lanes()
+    assert narrow == 8
+    flags = c_library._cpu_features().split()
+    expected = 16 if {"avx512f", "avx512_bf16"} <= set(flags) else 8
+    assert cpu_decode.vector_lanes() == expected
 
 
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,seq_lens", CPU_KERNEL_CASES)
 @pytest.mark.parametrize("magnitude", [1.0, 40.0])
-def test_cpu_kernel_matches_dense_attention(block_size, heads, kv_heads, head_dim, seq_lens, magnitude):
+def test_cpu_kernel_matches_dense_attention(
+    kernel_build, block_size, heads, kv_heads, head_dim, seq_lens, magnitude
+):
     """magnitude 40 makes one score dominate each row: the online softmax must rescale across blocks."""
     k_cache, v_cache, tables, dense_k, dense_v = random_paged(
         seq_lens, kv_heads, head_dim, block_size, seed=3
@@ -108,7 +138,7 @@ def test_cpu_kernel_matches_dense_attention(block_size, heads, kv_heads, head_di
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,seq_lens", CPU_KERNEL_CASES)
 @pytest.mark.parametrize("magnitude", [1.0, 40.0])
 def test_cpu_kernel_over_bfloat16_caches_matches_float32_attention_over_the_same_values(
-    block_size, heads, kv_heads, head_dim, seq_lens, magnitude
+    kernel_build, block_size, heads, kv_heads, head_dim, seq_lens, magnitude
 ):
     """bfloat16 caches and queries: the kernel widens each value exactly and adds in float32, so the only
     difference from float32 attention over the same (bfloat16) values is the output's rounding."""
@@ -130,7 +160,7 @@ def test_cpu_kernel_over_bfloat16_caches_matches_float32_attention_over_the_same
         torch.testing.assert_close(out[i : i + 1].float(), ref, atol=1e-5, rtol=2**-8)
 
 
-def test_cpu_kernel_reads_block_table_rows_with_a_stride_and_leaves_the_caches_alone():
+def test_cpu_kernel_reads_block_table_rows_with_a_stride_and_leaves_the_caches_alone(kernel_build):
     """Rows of a wider table (the engine's padded block tables) and an empty batch."""
     k_cache, v_cache, tables, dense_k, dense_v = random_paged([20, 9], 2, 64, 8, seed=5)
     wide = torch.zeros(2, tables.shape[1] + 5, dtype=torch.int32)

@@ -46,7 +46,7 @@ def _compiler() -> str:
     raise KernelUnavailable("no C compiler (cc, gcc or clang) on PATH")
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compiles into a temporary file beside the target, then renames it: processes building at once
     each write their own file and the last rename wins with an identical library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def _build(compiler: str, target: Path) -> None:
     try:
         log.info("compiling the CPU kernels (%s) ...", names)
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
+            [compiler, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
         )
         if done.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed on {names}: {done.stderr.strip()[:2000]}")
@@ -77,20 +77,23 @@ def _cpu_features() -> str:
 
 
 @cache
-def load() -> ctypes.CDLL:
-    """The built library (built now if not cached). Raises KernelUnavailable with the reason."""
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The built library (built now if not cached). Raises KernelUnavailable with the reason.
+    `extra_flags` build a variant (the tests use `-mno-avx512f` to run the kernels' narrower paths on a
+    machine whose native build takes the AVX-512 ones)."""
     compiler = _compiler()
-    identity = "\0".join((compiler, *FLAGS, _cpu_features())).encode()
+    flags = (*FLAGS, *extra_flags)
+    identity = "\0".join((compiler, *flags, _cpu_features())).encode()
     code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(code + identity).hexdigest()[:16]
     target = _cache_dir() / f"flotilla_cpu-{key}.so"
     if not target.exists():
         try:
-            _build(compiler, target)
+            _build(compiler, target, flags)
         except OSError as exc:  # an unwritable cache: build in a private temporary folder instead
             target = Path(tempfile.mkdtemp(prefix="flotilla-kernels-")) / target.name
             log.info("kernel cache %s unusable (%s); building in %s", _cache_dir(), exc, target.parent)
-            _build(compiler, target)
+            _build(compiler, target, flags)
     return ctypes.CDLL(str(target))
 
 

@@ -26,6 +26,12 @@ def kernel(dtype: torch.dtype):
     return c_library.function(SYMBOLS[dtype], _ARGS, ctypes.c_int32)
 
 
+def vector_lanes() -> int:
+    """The floats per vector of the built kernel: 16 with AVX-512 and its bfloat16 dot products (head_dim a
+    multiple of 32 then takes that path), else 8. Raises KernelUnavailable."""
+    return c_library.function("flotilla_paged_decode_lanes", [], ctypes.c_int32)()
+
+
 def shape_limits(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str | None:
     """None when the kernel handles these sizes (its stack arrays are fixed); otherwise which one not."""
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
@@ -61,6 +67,8 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:
+    """Decode attention of one query token per request. Over bfloat16 caches the wide build (vector_lanes()
+    16) reads the query as bfloat16, exact for a bfloat16 model's queries."""
     dtype = query.dtype
     query = query.to(
         torch.float32

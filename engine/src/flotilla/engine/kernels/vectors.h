@@ -20,6 +20,12 @@ static inline float hsum(v8f v) {
 
 static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+/* Lane-wise maximum (of numbers; a NaN lane takes b's). */
+static inline v8f vmax(v8f a, v8f b) {
+    const v8i greater = a > b;
+    return (v8f)(((v8i)a & greater) | ((v8i)b & ~greater));
+}
+
 /* exp(x) for x <= 0 (scores less their running maximum; below -87 it gives about 1e-38): x = n ln2 + r
  * with |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n by the exponent bits. */
 static inline v8f exp_nonpositive(v8f x) {
