@@ -89,31 +89,26 @@ CPU_KERNEL_CASES = [
     (16, 4, 4, 80, [23, 40]),  # a multiple of 16, not of 32: the narrow path everywhere
 ]
 
-# The native build (16-float vectors on AVX-512 machines with bfloat16 dot products) and one without
-# AVX-512 (8-float vectors): both paths are checked on a machine that has the wide one.
-NARROW_FLAGS = ("-mno-avx512f",)
 
-
-@pytest.fixture(params=["native", "narrow"])
-def kernel_build(request, monkeypatch):
-    if request.param == "narrow":
-        library = c_library.load(NARROW_FLAGS)
+@pytest.fixture
+def kernel_build(c_build, monkeypatch):
+    """The decode kernel of the native build, or of the build without AVX-512 (conftest.py)."""
+    if c_build is not None:
 
         def narrow(dtype):
-            fn = getattr(library, cpu_decode.SYMBOLS[dtype])
+            fn = getattr(c_build, cpu_decode.SYMBOLS[dtype])
             fn.argtypes, fn.restype = cpu_decode._ARGS, cpu_decode.ctypes.c_int32
             return fn
 
         monkeypatch.setattr(cpu_decode, "kernel", narrow)
-    return request.param
 
 
-def test_the_narrow_build_has_8_lanes_and_an_avx512_bf16_machine_builds_16():
-    narrow = c_library.load(NARROW_FLAGS).flotilla_paged_decode_lanes()
-    assert narrow == 8
-    flags = c_library._cpu_features().split()
-    expected = 16 if {"avx512f", "avx512_bf16"} <= set(flags) else 8
-    assert cpu_decode.vector_lanes() == expected
+def test_the_wide_path_is_built_where_avx512_with_bfloat16_is_and_only_there(c_build):
+    flags = set(c_library._cpu_features().split())
+    if c_build is None:
+        assert cpu_decode.vector_lanes() == (16 if {"avx512f", "avx512_bf16"} <= flags else 8)
+    else:
+        assert c_build.flotilla_paged_decode_lanes() == 8
 
 
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,seq_lens", CPU_KERNEL_CASES)

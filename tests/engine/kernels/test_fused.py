@@ -11,6 +11,24 @@ from flotilla.engine.kernels import fused
 
 pytestmark = pytest.mark.skipif(fused._functions(torch.float32) is None, reason="no C compiler here")
 
+
+@pytest.fixture(autouse=True)
+def fused_build(c_build, monkeypatch):
+    """Each test on the native build and on the one without AVX-512 (conftest.py)."""
+    if c_build is not None:
+
+        def narrow(dtype):
+            suffix = fused._SUFFIX[dtype]
+            norm, silu = (
+                getattr(c_build, f"flotilla_rms_norm_{suffix}"),
+                getattr(c_build, f"flotilla_silu_and_mul_{suffix}"),
+            )
+            norm.argtypes, silu.argtypes = fused.RMS_NORM_ARGS, fused.SILU_AND_MUL_ARGS
+            return norm, silu
+
+        monkeypatch.setattr(fused, "_functions", narrow)
+
+
 SIZES = [(1, 8), (5, 64), (7, 100), (48, 512), (3, 13)]
 ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7}
 

@@ -26,10 +26,7 @@ static inline __attribute__((always_inline)) void store_x8(void *p, int64_t i, v
 
 /* One value rounded to the tensor's dtype and back (identity for float32). */
 static inline __attribute__((always_inline)) v8f round8(v8f v, const int bf16) {
-    if (!bf16) return v;
-    uint16_t tmp[8];
-    store_bf16x8(tmp, v);
-    return load_any8(tmp, 0, 1);
+    return bf16 ? round_bf16(v) : v;
 }
 
 static inline __attribute__((always_inline)) float round1(float v, const int bf16) {
@@ -95,24 +92,13 @@ void flotilla_rms_norm_bf16(uint16_t *out, const uint16_t *x, uint16_t *residual
     rms_norm_rows(out, x, residual, w, rows, d, eps, threads, 1);
 }
 
-/* silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that exp's argument is never positive. */
+/* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) so that exp's argument is never positive: 1 / (1 + e)
+ * for g >= 0, e / (1 + e) below (one division for both). */
 static inline v8f silu8(v8f g) {
     const v8i negative = g < splat(0.0f);
-    v8f magnitude = g;
-    v8i bits;
-    memcpy(&bits, &magnitude, sizeof bits);
-    bits &= 0x7fffffff;
-    memcpy(&magnitude, &bits, sizeof magnitude);
-    const v8f e = exp_nonpositive(-magnitude);
-    const v8f positive_sigmoid = splat(1.0f) / (splat(1.0f) + e);
-    const v8f negative_sigmoid = e / (splat(1.0f) + e);
-    v8i ps, ns, s;
-    memcpy(&ps, &positive_sigmoid, sizeof ps);
-    memcpy(&ns, &negative_sigmoid, sizeof ns);
-    s = (ns & negative) | (ps & ~negative);
-    v8f sigmoid;
-    memcpy(&sigmoid, &s, sizeof sigmoid);
-    return g * sigmoid;
+    const v8f e = exp_nonpositive((v8f)((v8i)g | (v8i)splat_i(0x80000000u))); /* -|g| */
+    const v8f numerator = (v8f)(((v8i)e & negative) | ((v8i)splat(1.0f) & ~negative));
+    return g * (numerator / (splat(1.0f) + e));
 }
 
 static inline __attribute__((always_inline)) void silu_and_mul_rows(void *out, const void *gate_up, int64_t rows,

@@ -20,16 +20,16 @@ from flotilla.engine.kernels import c_library
 
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+RMS_NORM_ARGS = [_PTR] * 4 + [_I64, _I64, _F32, _I32]
+SILU_AND_MUL_ARGS = [_PTR, _PTR, _I64, _I64, _I32]
 
 
 @cache
 def _functions(dtype: torch.dtype):
     """(rms_norm, silu_and_mul) of the C library for `dtype`, or None where it cannot be built."""
     try:
-        norm = c_library.function(
-            f"flotilla_rms_norm_{_SUFFIX[dtype]}", [_PTR] * 4 + [_I64, _I64, _F32, _I32]
-        )
-        silu = c_library.function(f"flotilla_silu_and_mul_{_SUFFIX[dtype]}", [_PTR, _PTR, _I64, _I64, _I32])
+        norm = c_library.function(f"flotilla_rms_norm_{_SUFFIX[dtype]}", RMS_NORM_ARGS)
+        silu = c_library.function(f"flotilla_silu_and_mul_{_SUFFIX[dtype]}", SILU_AND_MUL_ARGS)
     except c_library.KernelUnavailable:
         return None
     return norm, silu

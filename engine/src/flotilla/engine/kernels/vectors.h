@@ -20,6 +20,9 @@ static inline float hsum(v8f v) {
 
 static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+typedef uint32_t v8u __attribute__((vector_size(32)));
+static inline v8u splat_i(uint32_t x) { return (v8u){x, x, x, x, x, x, x, x}; }
+
 /* Lane-wise maximum (of numbers; a NaN lane takes b's). */
 static inline v8f vmax(v8f a, v8f b) {
     const v8i greater = a > b;
@@ -79,15 +82,38 @@ static inline __attribute__((always_inline)) v8f load_any8(const void *p, int64_
     return v;
 }
 
-/* Eight float32 values as bfloat16, rounded to nearest even (NaN stays a quiet NaN), like torch's cast. */
-static inline void store_bf16x8(uint16_t *p, v8f v) {
+/* The bits of eight float32 values rounded to bfloat16, to nearest even (NaN stays a quiet NaN), like
+ * torch's cast: the bfloat16 in each lane's top half, zeros below. */
+static inline v8i bf16_bits(v8f v) {
     v8i bits;
     memcpy(&bits, &v, sizeof bits);
     const v8i nan = (bits & 0x7fffffff) > 0x7f800000;
-    const v8i rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-    const v8i out = (rounded & ~nan) | (0x7fc0 & nan);
-    const v8u16 halves = __builtin_convertvector(out & 0xffff, v8u16);
+    const v8i rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & (v8i)splat_i(0xffff0000u);
+    return (rounded & ~nan) | ((v8i)splat_i(0x7fc00000u) & nan);
+}
+
+/* Eight float32 values rounded to bfloat16 and widened back (in registers: the identity for what a
+ * bfloat16 tensor can hold). */
+static inline v8f round_bf16(v8f v) {
+    const v8i bits = bf16_bits(v);
+    v8f out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* Eight float32 values as bfloat16 (rounded as bf16_bits). */
+static inline void store_bf16x8(uint16_t *p, v8f v) {
+    const v8u top = (v8u)bf16_bits(v) >> 16;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtepi32_epi16((__m256i)top)); /* one vpmovdw */
+#elif defined(__AVX2__)
+    /* Each lane is at most 0xffff, so packing with unsigned saturation is exact. */
+    const __m256i t = (__m256i)top;
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+#else
+    const v8u16 halves = __builtin_convertvector(top, v8u16);
     memcpy(p, &halves, sizeof halves);
+#endif
 }
 
 #endif
