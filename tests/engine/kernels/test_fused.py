@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flotilla.engine.kernels import fused
+from flotilla.engine.kernels import attention, fused
+from flotilla.engine.model import rope
 
 pytestmark = pytest.mark.skipif(fused._functions(torch.float32) is None, reason="no C compiler here")
 
@@ -23,8 +24,10 @@ def fused_build(c_build, monkeypatch):
                 getattr(c_build, f"flotilla_rms_norm_{suffix}"),
                 getattr(c_build, f"flotilla_silu_and_mul_{suffix}"),
             )
+            rope_store = getattr(c_build, f"flotilla_rope_store_{suffix}")
             norm.argtypes, silu.argtypes = fused.RMS_NORM_ARGS, fused.SILU_AND_MUL_ARGS
-            return norm, silu
+            rope_store.argtypes = fused.ROPE_STORE_ARGS
+            return norm, silu, rope_store
 
         monkeypatch.setattr(fused, "_functions", narrow)
 
@@ -82,3 +85,43 @@ def test_the_torch_reference_serves_where_autograd_is_on():
     out = fused.rms_norm(x, w, 1e-5)
     out.sum().backward()
     assert x.grad is not None and w.grad is not None
+
+
+def rope_case(dtype, tokens, heads, kv_heads, head_dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 4).to(dtype)
+    cos, sin = rope.cos_sin_tables(head_dim, 512, 10000.0, None)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    rotation = cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+    caches = [torch.full((6, 4, kv_heads, head_dim), 7.0, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(24, generator=gen)[:tokens]
+    return qkv, rotation, caches, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (9, 8, 8, 16), (5, 6, 2, 128)])
+def test_rope_and_store_rounds_as_the_torch_rotation_bit_for_bit(dtype, tokens, heads, kv_heads, head_dim):
+    qkv, rotation, (k_cache, v_cache), slots = rope_case(dtype, tokens, heads, kv_heads, head_dim, tokens)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qk = rope.rotate(qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, head_dim), rotation)
+    want_q, k = qk.split([heads, kv_heads], dim=1)
+    attention.store_kv(k, qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim), want_k, want_v, slots)
+    with torch.inference_mode():
+        got_q = fused.rope_and_store(qkv, rotation, k_cache, v_cache, slots, heads, kv_heads)
+    assert got_q is not None
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # and no other slot touched
+
+
+def test_rope_and_store_declines_what_it_does_not_handle_and_writes_nothing():
+    qkv, rotation, (k_cache, v_cache), slots = rope_case(torch.float32, 3, 2, 2, 8, 0)
+    before = k_cache.clone()
+    with torch.inference_mode():
+        assert fused.rope_and_store(qkv, rotation, k_cache, v_cache, slots, 2, 2) is None  # head_dim 8
+        qkv, rotation, (k_cache, v_cache), slots = rope_case(torch.float16, 3, 2, 2, 16, 0)
+        assert fused.rope_and_store(qkv, rotation, k_cache, v_cache, slots, 2, 2) is None  # float16
+        qkv, rotation, (k_cache, v_cache), slots = rope_case(torch.float32, 3, 2, 2, 16, 0)
+        assert fused.rope_and_store(qkv, rotation, k_cache, v_cache, slots.int(), 2, 2) is None
+    assert fused.rope_and_store(qkv, rotation, k_cache, v_cache, slots, 2, 2) is None  # autograd on
+    assert torch.equal(before, torch.full_like(before, 7.0))

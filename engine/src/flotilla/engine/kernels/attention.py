@@ -18,8 +18,8 @@ import torch.nn.functional as F
 # and 64 on 2 CPU cores (tiny-llama, 64 requests): less padding, still few calls.
 DECODE_GROUP = 16
 
-# The torch.profiler range around one layer's KV store and attention (any backend): `bench offline` groups
-# the self time of everything under it as attention.
+# The torch.profiler range around one layer's RoPE, KV store and attention (any backend): `bench offline`
+# groups the self time of everything under it as attention.
 ATTENTION_LABEL = "flotilla.attention"
 
 
@@ -197,6 +197,12 @@ class TorchAttentionBackend:
 
     def store(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def rotate_and_store(self, qkv, rotation, k_cache, v_cache, meta: AttentionMetadata, num_heads: int,
+                         num_kv_heads: int) -> torch.Tensor | None:  # fmt: skip
+        """A backend that fuses RoPE with its KV store returns the rotated queries, having stored the rotated
+        keys and the values; this one does not (None: the model rotates, then calls store)."""
+        return None
 
     def plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> object:
         return decode_groups(block_tables, seq_lens, block_size)

@@ -9,7 +9,7 @@ from functools import cache
 
 import torch
 
-from flotilla.engine.kernels import c_library
+from flotilla.engine.kernels import c_library, fused
 from flotilla.engine.kernels.attention import TorchAttentionBackend
 
 # The kernel's entry point per cache dtype: queries and outputs are float32 in both.
@@ -104,13 +104,19 @@ class CpuDecodePlan:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode through the compiled kernel (float32 and bfloat16 caches; prefill chunks, and
-    speculative verification's several tokens per request, keep the torch path)."""
+    speculative verification's several tokens per request, keep the torch path), and RoPE fused with the KV
+    store (fused.rope_and_store)."""
 
     name = "cpu"
 
     def plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> object:
         return CpuDecodePlan(
             block_tables.to(torch.int32).contiguous(), torch.tensor(seq_lens, dtype=torch.int32)
+        )
+
+    def rotate_and_store(self, qkv, rotation, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int):
+        return fused.rope_and_store(
+            qkv, rotation, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads
         )
 
     def decode(self, query, k_cache, v_cache, plan, scale: float) -> torch.Tensor:

@@ -5,6 +5,7 @@
  *   rms_norm:      out = w * dtype(x * rsqrt(mean(x^2) + eps))       (x [rows, d]; w [d])
  *   add_rms_norm:  residual = dtype(x + residual), then rms_norm of it into out
  *   silu_and_mul:  out = dtype(dtype(silu(gate)) * up)               (gate_up [rows, 2i], out [rows, i])
+ *   rope_store:    rotary embeddings on a qkv projection's queries and keys, keys and values into the KV cache
  * Rows are shared among OpenMP threads (torch's pool, as for the decode kernel).
  */
 #include "vectors.h"
@@ -125,4 +126,64 @@ void flotilla_silu_and_mul_f32(float *out, const float *gate_up, int64_t rows, i
 void flotilla_silu_and_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t rows, int64_t inner,
                                 int32_t threads) {
     silu_and_mul_rows(out, gate_up, rows, inner, threads, 1);
+}
+
+/* x * c + rotate_half(x) * s for one head's two halves (x1 = x[:half], x2 = x[half:]), rounded as torch's
+ * three ops round: each product, then the sum. In float32 the products are kept apart (an FMA would round
+ * once where torch rounds twice). */
+static inline __attribute__((always_inline)) v8f rope_half(v8f x, v8f c, v8f other, v8f s, const int bf16) {
+    v8f a = round8(x * c, bf16), b = round8(other * s, bf16);
+    __asm__("" : "+x"(a), "+x"(b)); /* no contraction into an FMA across this point */
+    return round8(a + b, bf16);
+}
+
+/* Rotary embeddings (rotate-half layout) on the queries and keys of a fused qkv projection, and the KV store:
+ *   qkv [tokens, (heads + 2 kv_heads) * head_dim] (queries, keys, values), rows `qkv_stride` apart
+ *   cos, sin [tokens, head_dim], already in the tensor's dtype (each token's position looked up)
+ *   q_out [tokens, heads, head_dim]: the rotated queries
+ *   k_cache, v_cache [slots, kv_heads, head_dim]: the rotated keys and the values at slots[t]
+ * One pass instead of torch's five ops for the rotation, a split and two index copies. head_dim a multiple of
+ * 16 (the caller checks). Tokens are shared among OpenMP threads. */
+static inline __attribute__((always_inline)) void rope_store_rows(
+    void *q_out, void *k_cache, void *v_cache, const void *qkv, int64_t qkv_stride, const void *cos,
+    const void *sin, const int64_t *slots, int64_t tokens, int32_t heads, int32_t kv_heads, int32_t head_dim,
+    int32_t threads, const int bf16) {
+    const int half = head_dim / 2;
+    const int elem = bf16 ? 2 : 4;
+    const int64_t kv_row = (int64_t)kv_heads * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t row = t * qkv_stride, angles = t * head_dim;
+        for (int h = 0; h < heads + kv_heads; h++) {
+            const int64_t src = row + (int64_t)h * head_dim;
+            void *dst = h < heads ? q_out : k_cache;
+            const int64_t at = h < heads ? (t * heads + h) * head_dim : slots[t] * kv_row + (int64_t)(h - heads) * head_dim;
+            for (int i = 0; i < half; i += 8) {
+                const v8f x1 = load_any8(qkv, src + i, bf16), x2 = load_any8(qkv, src + half + i, bf16);
+                store_x8(dst, at + i,
+                         rope_half(x1, load_any8(cos, angles + i, bf16), -x2, load_any8(sin, angles + i, bf16), bf16),
+                         bf16);
+                store_x8(dst, at + half + i,
+                         rope_half(x2, load_any8(cos, angles + half + i, bf16), x1,
+                                   load_any8(sin, angles + half + i, bf16), bf16),
+                         bf16);
+            }
+        }
+        memcpy((char *)v_cache + slots[t] * kv_row * elem,
+               (const char *)qkv + (row + (int64_t)(heads + kv_heads) * head_dim) * elem, (size_t)(kv_row * elem));
+    }
+}
+
+void flotilla_rope_store_f32(float *q_out, float *k_cache, float *v_cache, const float *qkv, int64_t qkv_stride,
+                             const float *cos, const float *sin, const int64_t *slots, int64_t tokens, int32_t heads,
+                             int32_t kv_heads, int32_t head_dim, int32_t threads) {
+    rope_store_rows(q_out, k_cache, v_cache, qkv, qkv_stride, cos, sin, slots, tokens, heads, kv_heads, head_dim,
+                    threads, 0);
+}
+
+void flotilla_rope_store_bf16(uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, const uint16_t *qkv,
+                              int64_t qkv_stride, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                              int64_t tokens, int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t threads) {
+    rope_store_rows(q_out, k_cache, v_cache, qkv, qkv_stride, cos, sin, slots, tokens, heads, kv_heads, head_dim,
+                    threads, 1);
 }

@@ -22,17 +22,19 @@ _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 RMS_NORM_ARGS = [_PTR] * 4 + [_I64, _I64, _F32, _I32]
 SILU_AND_MUL_ARGS = [_PTR, _PTR, _I64, _I64, _I32]
+ROPE_STORE_ARGS = [_PTR] * 4 + [_I64, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32, _I32]
 
 
 @cache
 def _functions(dtype: torch.dtype):
-    """(rms_norm, silu_and_mul) of the C library for `dtype`, or None where it cannot be built."""
+    """(rms_norm, silu_and_mul, rope_store) of the C library for `dtype`, or None where it cannot be built."""
     try:
         norm = c_library.function(f"flotilla_rms_norm_{_SUFFIX[dtype]}", RMS_NORM_ARGS)
         silu = c_library.function(f"flotilla_silu_and_mul_{_SUFFIX[dtype]}", SILU_AND_MUL_ARGS)
+        rope = c_library.function(f"flotilla_rope_store_{_SUFFIX[dtype]}", ROPE_STORE_ARGS)
     except c_library.KernelUnavailable:
         return None
-    return norm, silu
+    return norm, silu, rope
 
 
 def _c_path(*tensors: torch.Tensor):
@@ -93,3 +95,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty((rows, inner))
     fns[1](out.data_ptr(), gate_up.data_ptr(), rows, inner, torch.get_num_threads())
     return out
+
+
+def rope_and_store(
+    qkv: torch.Tensor,  # [T, (heads + 2 kv_heads) * head_dim]: queries, keys, values
+    rotation: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, head_dim] in qkv's dtype
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor | None:
+    """The rotated queries [T, heads, head_dim], with the rotated keys and the values written into the caches
+    at slot_mapping, in one pass of the C library; None where it does not serve (the caller then rotates and
+    stores with torch). Rounded as model/rope.py's `rotate` rounds, bit for bit."""
+    cos, sin = rotation
+    head_dim = k_cache.shape[-1]
+    fns = _c_path(qkv, cos, sin, k_cache, v_cache)
+    if fns is None or qkv.dim() != 2 or head_dim % 16 or slot_mapping.dtype != torch.int64:
+        return None
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or not slot_mapping.is_contiguous():
+        return None
+    tokens = qkv.shape[0]
+    q = qkv.new_empty((tokens, num_heads, head_dim))
+    fns[2](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.data_ptr(), qkv.stride(0), cos.data_ptr(),
+           sin.data_ptr(), slot_mapping.data_ptr(), tokens, num_heads, num_kv_heads, head_dim,
+           torch.get_num_threads())  # fmt: skip
+    return q

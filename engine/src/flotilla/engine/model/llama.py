@@ -56,18 +56,24 @@ class Attention(nn.Module):
 
     def forward(self, rotation: Rotation, hidden, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        # Queries and keys are adjacent in qkv: rotate them as one [T, H + KVH, D] view.
-        qk = rotate(
-            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-            rotation,
-        )
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         # Store before attending: a chunk attends to itself through the cache, and requests admitted
         # in the same step may share blocks written now.
         with record_function(ATTENTION_LABEL):
-            backend.store(k, v, k_cache, v_cache, meta)
+            q = backend.rotate_and_store(
+                qkv, rotation, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads
+            )
+            if q is None:  # the backend does not fuse them
+                # Queries and keys are adjacent in qkv: rotate them as one [T, H + KVH, D] view.
+                qk = rotate(
+                    qkv[:, : self.q_size + self.kv_size].view(
+                        -1, self.num_heads + self.num_kv_heads, self.head_dim
+                    ),
+                    rotation,
+                )
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+                backend.store(k, v, k_cache, v_cache, meta)
             out = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
