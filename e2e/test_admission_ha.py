@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.helm import helm
 from flotilla.operator.api.conditions import is_ready
@@ -85,7 +85,9 @@ def _tenant_and_namespace(cluster: ClusterHandle, label: str) -> tuple[str, str]
         "spec": spec,
     }
     wait_for(
-        lambda: cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body), check=False).returncode == 0,
+        lambda: (
+            cluster.kubectl("apply", "-f", "-", input=manifest_yaml.dump(body), check=False).returncode == 0
+        ),
         60,
         f"Tenant {tenant} admitted",
     )
@@ -98,7 +100,7 @@ def _stored_gpus(cluster: ClusterHandle, ns: str) -> dict[str, int]:
 
 
 def _isvc(name: str, replicas: int) -> str:
-    return yaml.safe_dump(inference_service(name, MODEL_DIR, replicas=replicas))
+    return manifest_yaml.dump(inference_service(name, MODEL_DIR, replicas=replicas))
 
 
 def _outcome(result) -> str:
@@ -226,7 +228,7 @@ def _raw_gpu_pod(name: str) -> str:
             ],
         },
     }
-    return yaml.safe_dump(pod)
+    return manifest_yaml.dump(pod)
 
 
 def test_the_backstop_holds_the_total_across_namespaces_and_creators(chart, cluster: ClusterHandle):
@@ -244,7 +246,7 @@ def test_the_backstop_holds_the_total_across_namespaces_and_creators(chart, clus
         "metadata": {"name": tenant},
         "spec": spec,
     }
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+    cluster.kubectl("apply", "-f", "-", input=manifest_yaml.dump(body))
 
     def limits() -> dict[str, int]:
         found = {}
@@ -291,7 +293,7 @@ def test_tenants_applied_at_once_never_share_a_namespace(chart, cluster: Cluster
         claim = {"namespaces": [ns]} if i % 2 else {"namespaceSelector": {"matchLabels": {"contest": RUN}}}
         body = {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": names[i]},
                 "spec": {**claim, "gpuQuota": {"h100": 1}}}  # fmt: skip
-        return yaml.safe_dump(body)
+        return manifest_yaml.dump(body)
 
     creates = [
         lambda i=i: cluster.kubectl("create", "-f", "-", input=tenant(i), check=False) for i in range(6)

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.kubeclient import ApiError, KubeClient
 from flotilla.cluster.node_ports import NodePortProxy
@@ -146,14 +146,14 @@ def replicas(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Replicas]:
             operator.start()
         wait_for(lambda: all(_listens(p) for p in ports), 60, "every replica's webhook server to listen")
         proxy = _forwarder(ports, node_port)
-        cluster.apply(yaml.safe_dump(_webhook_configuration(cluster, node_port)))
+        cluster.apply(manifest_yaml.dump(_webhook_configuration(cluster, node_port)))
         # The webhook is live once a bad source is refused in its words.
         wait_for(
             lambda: (
                 "scheme 's3' is not supported"
                 in cluster.kubectl(
                     "create", "-n", "default", "--dry-run=server", "-f", "-",
-                    input=yaml.safe_dump(_adapter("probe", "s3://bucket/x")), check=False,
+                    input=manifest_yaml.dump(_adapter("probe", "s3://bucket/x")), check=False,
                 ).stderr
             ),
             60,
@@ -228,7 +228,7 @@ def tenants(cluster: ClusterHandle) -> Iterator:
         body = {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": name},
                 "spec": {"namespaces": [name], "maxLoRAAdapters": LIMIT}}  # fmt: skip
         made.append(name)
-        cluster.apply(yaml.safe_dump(body))
+        cluster.apply(manifest_yaml.dump(body))
         return name
 
     yield make

@@ -29,8 +29,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.operator.cmd.local import (
     OperatorProcess,
@@ -153,7 +153,7 @@ def _manifests(namespace: str, tenant: str, model: Path) -> str:
             "scaleDownWindowSeconds": DOWN_WINDOW,
         },
     )
-    return yaml.safe_dump_all([tenant_obj, service])
+    return manifest_yaml.dump_all([tenant_obj, service])
 
 
 def _over_target(row: dict) -> bool:

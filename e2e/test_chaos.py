@@ -36,9 +36,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from flotilla import manifest_yaml
 from flotilla.cluster.control_plane import up
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.kubeclient import KubeClient
@@ -244,7 +244,9 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
     try:
         wait_for(
             lambda: (
-                cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs), check=False).returncode
+                cluster.kubectl(
+                    "apply", "-f", "-", input=manifest_yaml.dump_all(docs), check=False
+                ).returncode
                 == 0
             ),
             60,
@@ -464,7 +466,7 @@ def test_the_api_server_and_etcd_restart_under_gateway_load(fleet: Fleet):
             # The gateway's watches resumed: a key made after the restarts works once its watch delivers it.
             second = f"fl-chaos-2-{uuid.uuid4().hex}"
             cluster.apply(
-                yaml.safe_dump(
+                manifest_yaml.dump(
                     key_secret(fleet.tenant, "second", second, OPERATOR_NS, f"{fleet.tenant}-keys2")
                 )
             )
@@ -674,7 +676,7 @@ def test_the_operator_killed_after_reserving_quota_refuses_the_request_and_the_r
 
     def create(name: str, replicas: int) -> subprocess.CompletedProcess:
         body = inference_service(name, absent, fleet.ns, replicas=replicas)
-        return fleet.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body), check=False)
+        return fleet.cluster.kubectl("apply", "-f", "-", input=manifest_yaml.dump(body), check=False)
 
     outcome: list[subprocess.CompletedProcess] = []
     _killed_at(fleet, "admission.reserved", lambda: outcome.append(create("lost", 1)) or outcome[0])

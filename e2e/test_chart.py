@@ -15,9 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from flotilla import contract
+from flotilla import contract, manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.helm import helm
 from flotilla.gateway.cmd import key_secret
@@ -46,13 +45,13 @@ MODEL_DIR = Path(f"/tmp/flotilla-chart-model-{RUN}")
 
 def _tenant(quota: int) -> str:
     spec = {"namespaces": [NS], "gpuQuota": {"h100": quota}, "pricePerGPUHour": {"h100": 2.0}}
-    return yaml.safe_dump(
+    return manifest_yaml.dump(
         {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": TENANT}, "spec": spec}
     )
 
 
 def _isvc(name: str, replicas: int = 1) -> str:
-    return yaml.safe_dump(inference_service(name, MODEL_DIR, replicas=replicas))
+    return manifest_yaml.dump(inference_service(name, MODEL_DIR, replicas=replicas))
 
 
 def _values(node_port: int, gateway_port: int | None = None, **overrides) -> dict:
@@ -143,7 +142,7 @@ def test_the_charts_gateway_serves_the_tenant_with_its_key(release: Release, clu
     """The gateway pod, under its own ServiceAccount, reads the key Secret and the service, and the engine
     accepts the tenant it names (the operator and the gateway share the chart's master token)."""
     key = f"fl-{RUN}-key"
-    cluster.apply(yaml.safe_dump(key_secret(TENANT, "e2e", key, NAMESPACE, f"{TENANT}-keys")))
+    cluster.apply(manifest_yaml.dump(key_secret(TENANT, "e2e", key, NAMESPACE, f"{TENANT}-keys")))
     gateway = f"http://127.0.0.1:{release.gateway_port}/v1/completions"
     body = {"model": "tiny", "prompt": "through the gateway", "max_tokens": 2}
 

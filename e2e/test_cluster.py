@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -34,6 +35,25 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_what_flotilla_writes_as_yaml_the_api_server_reads_as_the_same_strings(
+    cluster: ClusterHandle, namespace: str
+):
+    """Strings Go's YAML takes for numbers when plain (a run id of `766e7` once reached the API server
+    as 7.66e9 and the Tenant was refused): written through flotilla.manifest_yaml, each comes back."""
+    as_labels = ["766e7", "1e3", "0755", "1_000", "12345", "0x1F", "0b101"]
+    as_data = [*as_labels, "0o17", "+Inf", "-.5", ".5"]
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "yaml-strings", "labels": {f"l{i}": v for i, v in enumerate(as_labels)}},
+        "data": {f"d{i}": v for i, v in enumerate(as_data)},
+    }
+    cluster.apply(manifest_yaml.dump(config_map), namespace)
+    stored = cluster.get_json("configmap", "yaml-strings", "-n", namespace)
+    assert stored["metadata"]["labels"] == config_map["metadata"]["labels"]
+    assert stored["data"] == config_map["data"]
 
 
 def test_nodes_have_gpu_capacity_and_type(cluster: ClusterHandle):

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.contract import (
     ANNOTATION_DEMAND,
@@ -134,7 +134,7 @@ def env(cluster: ClusterHandle, tmp_path_factory):
     operator.start()
     e.gateway = GatewayProcess(gateway_kubeconfig, workdir / "gateway.log", OPERATOR_NS, master)
     try:
-        cluster.apply(yaml.safe_dump_all(docs))
+        cluster.apply(manifest_yaml.dump_all(docs))
         e.gateway.start()
         wait_for(lambda: len(e.service("chat").get("status", {}).get("endpoints") or []) == 2, 300,
                  "two ready replicas of chat")  # fmt: skip

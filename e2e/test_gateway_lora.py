@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.gateway.cmd import key_secret
 from flotilla.gateway.local import GatewayProcess, service_account_token
@@ -115,7 +115,7 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
     ]
     operator.start()
     try:
-        cluster.apply(yaml.safe_dump_all(docs))
+        cluster.apply(manifest_yaml.dump_all(docs))
         gateway.start()
         yield Env(cluster, gateway)
     finally:

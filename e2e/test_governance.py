@@ -60,8 +60,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.processes import ProcessTable
 from flotilla.gateway.cmd import key_secret
@@ -131,7 +131,7 @@ def _tenant(name: str, namespace: str, quota: int, price: float, budget: float, 
         "pricePerGPUHour": {"h100": price},
         "monthlyBudget": budget,
     } | extra
-    return yaml.safe_dump(
+    return manifest_yaml.dump(
         {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": name}, "spec": spec}
     )
 
@@ -166,7 +166,7 @@ def _operator_sample(metrics: str, name: str, **labels: str) -> float:
 
 def _refuse_over_quota(cluster: ClusterHandle, namespace: str) -> str:
     """An InferenceService tenant A has no GPUs left for: the webhook refuses it (and counts the refusal)."""
-    extra = yaml.safe_dump(inference_service("extra", "file:///nonexistent", namespace, engine=ENGINE))
+    extra = manifest_yaml.dump(inference_service("extra", "file:///nonexistent", namespace, engine=ENGINE))
     refused = cluster.kubectl("apply", "-f", "-", input=extra, check=False)
     assert refused.returncode != 0 and "quota" in refused.stderr, refused.stdout + refused.stderr
     return refused.stderr
@@ -237,7 +237,7 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
     benches: dict[str, subprocess.Popen] = {}
     operator.start()
     try:
-        probe = yaml.safe_dump(inference_service("probe", model, f.ns_a))
+        probe = manifest_yaml.dump(inference_service("probe", model, f.ns_a))
         wait_for(
             lambda: (
                 "belongs to no tenant"
@@ -247,7 +247,7 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
             "the admission webhook to answer",
         )
         cluster.apply(_tenant(f.tenant_a, f.ns_a, 2, 3.6, 1000, rateLimits=RATE_LIMITS))
-        cluster.apply(yaml.safe_dump(keys))
+        cluster.apply(manifest_yaml.dump(keys))
         cluster.apply(_tenant(f.tenant_b, f.ns_b, 2, 2.5, 5000))
         chat = inference_service(
             "chat", model, f.ns_a, served_name=MODEL, replicas=0, engine=ENGINE | {"lora": lora},
@@ -256,11 +256,11 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         )  # fmt: skip
         batch = inference_service("batch", model, f.ns_a, served_name=MODEL, engine=ENGINE)
         assist = inference_service("assist", model, f.ns_b, served_name=MODEL, engine=ENGINE)
-        cluster.apply(yaml.safe_dump_all([chat, batch, assist]))
+        cluster.apply(manifest_yaml.dump_all([chat, batch, assist]))
         adapter = {"apiVersion": "flotilla.dev/v1alpha1", "kind": "LoRAAdapter",
                    "metadata": {"name": ADAPTER, "namespace": f.ns_a},
                    "spec": {"inferenceService": "chat", "source": f"file://{adapter_dir}"}}  # fmt: skip
-        cluster.apply(yaml.safe_dump(adapter))
+        cluster.apply(manifest_yaml.dump(adapter))
         services = {("chat", f.ns_a), ("batch", f.ns_a), ("assist", f.ns_b)}
         endpoints = {
             name: wait_for(

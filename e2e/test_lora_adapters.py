@@ -23,8 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.operator.cmd.local import (
     OperatorProcess,
@@ -77,7 +77,7 @@ def _adapter(name: str, source: str, service: str = BASE) -> str:
         "metadata": {"name": name},
         "spec": {"inferenceService": service, "source": source},
     }
-    return yaml.safe_dump(body)
+    return manifest_yaml.dump(body)
 
 
 def _get(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> dict | None:
@@ -140,7 +140,9 @@ def test_adapter_loads_serves_reloads_into_a_new_pod_and_unloads(
     # The replicas see the node folder adapterDir names (mounted at its own path), which holds the adapter.
     lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(adapter_dir.parent)}
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
-    cluster.apply(yaml.safe_dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace)
+    cluster.apply(
+        manifest_yaml.dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace
+    )
 
     # A source the operator cannot read is refused in status, naming the field and what is accepted.
     cluster.apply(_adapter("remote", "s3://bucket/adapter"), namespace)
@@ -235,7 +237,9 @@ def test_an_archive_source_is_fetched_by_the_replicas_engine(
     """No adapterDir: the operator sends the URI, and the engine in the pod downloads it into its cache."""
     namespace, (uri, asked) = cleaned, archive_server
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": {"enabled": True, "maxLoraRank": 16}}
-    cluster.apply(yaml.safe_dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace)
+    cluster.apply(
+        manifest_yaml.dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace
+    )
     cluster.apply(_adapter(ADAPTER, uri), namespace)
     (pod,) = wait_for(lambda: _ready_pods(cluster, namespace), 300, "the base service's ready replica")
     name = pod["metadata"]["name"]
@@ -288,7 +292,7 @@ def adapter_claim(cluster: ClusterHandle, cleaned: str, adapter_dir: Path, tmp_p
             },
         },
     ]
-    cluster.apply(yaml.safe_dump_all(manifests), cleaned)
+    cluster.apply(manifest_yaml.dump_all(manifests), cleaned)
     wait_for(
         lambda: (_get(cluster, "pvc", CLAIM, cleaned) or {}).get("status", {}).get("phase") == "Bound",
         60,
@@ -345,7 +349,9 @@ def test_a_pvc_source_is_read_from_the_bases_adapter_claim_and_timed_from_apply_
     lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterClaim": adapter_claim,
             "adapterDir": str(adapter_dir.parent)}  # fmt: skip
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
-    cluster.apply(yaml.safe_dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace)
+    cluster.apply(
+        manifest_yaml.dump(inference_service(BASE, tiny_llama, replicas=1, engine=engine)), namespace
+    )
 
     # A claim the base does not mount: not loaded, and Ready says which claim it mounts.
     cluster.apply(_adapter("elsewhere", "pvc://other-claim/team-a/sql"), namespace)

@@ -13,8 +13,8 @@ import urllib.request
 import uuid
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.processes import ProcessTable
 from flotilla.contract import ANNOTATION_PATH, ANNOTATION_PORT, ANNOTATION_SCRAPE, ENVOY_STATS_PORT_NAME
@@ -90,7 +90,7 @@ def test_monitoring_up_discovers_annotated_pods_with_least_privilege(cluster: Cl
     namespace = f"mon-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     cluster.apply(
-        yaml.safe_dump_all([_pod("scraped", True), _pod("ignored", False), _proxy_pod()]), namespace
+        manifest_yaml.dump_all([_pod("scraped", True), _pod("ignored", False), _proxy_pod()]), namespace
     )
     rules = tmp_path / "flotilla-rules.yaml"
     rules.write_text(render())

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.operator.cmd.local import (
     OPERATOR_NS,
@@ -56,7 +56,7 @@ def model_dir(tmp_path) -> Path:
 
 
 def _isvc(name: str, model: Path | str, *, replicas: int = 1, **spec) -> str:
-    return yaml.safe_dump(inference_service(name, model, replicas=replicas, **spec))
+    return manifest_yaml.dump(inference_service(name, model, replicas=replicas, **spec))
 
 
 def _get(cluster: ClusterHandle, kind: str, name: str, namespace: str) -> dict | None:
@@ -282,7 +282,7 @@ def _gateway_stand_in(name: str, *, runs: bool) -> str:
     if not runs:
         spec["nodeSelector"] = {"flotilla.dev/no-such-node": "true"}
     labels = {"app.kubernetes.io/name": "flotilla-gateway", "app.kubernetes.io/instance": "e2e"}
-    return yaml.safe_dump({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+    return manifest_yaml.dump({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
                            "spec": spec})  # fmt: skip
 
 

@@ -18,8 +18,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, wait_for
 from flotilla.cluster.prometheus import PrometheusProcess
 from flotilla.monitoring.scrape import ApiAccess, prometheus_config
@@ -80,7 +80,7 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
                     "ttftWindowSeconds": 60,
                 },
             )
-            cluster.apply(yaml.safe_dump(service))
+            cluster.apply(manifest_yaml.dump(service))
             status = wait_for(
                 lambda: (
                     (cluster.get_json("fisvc", "chat", "-n", namespace).get("status") or {}).get("endpoints")

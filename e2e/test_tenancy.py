@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from prometheus_client.parser import text_string_to_metric_families
 
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.operator.cmd.local import (
     OPERATOR_NS,
@@ -86,7 +86,7 @@ def _tenant(name: str, namespaces: list[str], quota: int, group: str, **extra) -
         "members": [{"kind": "Group", "name": group}],
         **extra,
     }
-    return yaml.safe_dump(
+    return manifest_yaml.dump(
         {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": name}, "spec": spec}
     )
 
@@ -98,7 +98,7 @@ def _isvc(name: str, replicas: int = 1, gpus: int = 1, gpu_type: str = "h100", *
         "replicas": replicas,
         **spec,
     }
-    return yaml.safe_dump(
+    return manifest_yaml.dump(
         {
             "apiVersion": "flotilla.dev/v1alpha1",
             "kind": "InferenceService",
@@ -320,7 +320,7 @@ def test_members_are_isolated_in_both_directions(env, cluster):
             "spec": {"containers": [{"name": "c", "image": "x", "command": ["sleep", "1"],
                                      "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
         }  # fmt: skip
-        direct = _as(cluster, who, "apply", "-n", own_ns, "-f", "-", input=yaml.safe_dump(pod))
+        direct = _as(cluster, who, "apply", "-n", own_ns, "-f", "-", input=manifest_yaml.dump(pod))
         assert direct.returncode != 0 and "forbidden" in direct.stderr.lower(), direct.stderr
         cluster.kubectl("delete", "fisvc", "mine", "-n", own_ns)
 
@@ -338,7 +338,7 @@ def test_resource_quota_backstops_gpu_pods_from_anyone(env, cluster):
         lambda: (
             (
                 r := cluster.kubectl(
-                    "apply", "-n", env.ns_b, "-f", "-", input=yaml.safe_dump(pod), check=False
+                    "apply", "-n", env.ns_b, "-f", "-", input=manifest_yaml.dump(pod), check=False
                 )
             ).returncode
             and r

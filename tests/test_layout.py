@@ -293,3 +293,20 @@ def test_installed_code_never_looks_for_the_checkout() -> None:
             if needle in text:
                 offenders.append(f"{path.relative_to(ROOT)}: {needle}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_every_yaml_flotilla_writes_goes_through_manifest_yaml() -> None:
+    """PyYAML's own dumpers leave `766e7` plain, and the API server reads it as a number (a label value
+    in e2e did once); every product, benchmark and test writes YAML through `flotilla.manifest_yaml`."""
+    dumpers = re.compile(r"\byaml\.(safe_dump|safe_dump_all|dump|dump_all|SafeDumper|Dumper)\b")
+    files = (
+        [p for _, p in _modules()] + sorted((ROOT / "tests").rglob("*.py")) + sorted(ROOT.glob("e2e/*.py"))
+    )
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        if path.name != "manifest_yaml.py" and path != Path(__file__).resolve()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if dumpers.search(line)
+    ]
+    assert not offenders, "YAML written without flotilla.manifest_yaml:\n" + "\n".join(offenders)

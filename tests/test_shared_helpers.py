@@ -9,7 +9,9 @@ import datetime as dt
 from fractions import Fraction
 
 import pytest
+import yaml
 
+from flotilla import manifest_yaml
 from flotilla.disconnect import ClientDisconnected, until_disconnected
 from flotilla.engine.server.errors import ApiError
 from flotilla.gateway.errors import GatewayError
@@ -174,3 +176,38 @@ def test_a_client_that_leaves_cancels_the_work_and_its_late_result_is_discarded(
         assert discarded == ["opened"]
 
     asyncio.run(main())
+
+
+# -- YAML for Go readers ---------------------------------------------------------------------------------
+# Each of these Go's YAML readers (kubectl, Helm, Prometheus) takes for a number when written plain.
+READ_AS_NUMBERS_BY_GO = [
+    "766e7",
+    "1e3",
+    "0o17",
+    "0755",
+    "1_000",
+    "+Inf",
+    "-.5",
+    ".5",
+    "0x1F",
+    "12345",
+    "0b101",
+]
+
+
+@pytest.mark.parametrize("value", READ_AS_NUMBERS_BY_GO)
+def test_a_string_go_reads_as_a_number_is_quoted_and_reads_back_as_itself(value: str) -> None:
+    text = manifest_yaml.dump({"metadata": {"labels": {"team": value}}})
+    assert f"team: '{value}'" in text or f'team: "{value}"' in text
+    assert yaml.safe_load(text) == {"metadata": {"labels": {"team": value}}}
+
+
+@pytest.mark.parametrize("value", ["abc", "a1e3", "e7", "v1.2", "1.2.3", "sel-766e7", "t-0755"])
+def test_a_string_no_reader_mistakes_stays_plain(value: str) -> None:
+    assert manifest_yaml.dump({"k": value}) == f"k: {value}\n"
+
+
+def test_numbers_stay_numbers_and_every_document_is_written() -> None:
+    text = manifest_yaml.dump_all([{"replicas": 2, "ratio": 1e3}, {"name": "766e7"}])
+    assert list(yaml.safe_load_all(text)) == [{"replicas": 2, "ratio": 1e3}, {"name": "766e7"}]
+    assert "replicas: 2" in text

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from flotilla import manifest_yaml
+
 NAMESPACE = "demo"
 TENANT = "demo-team"
 SERVICE = "tiny-chat"
@@ -70,7 +72,7 @@ def _manifests(model_dir: Path, adapter_dir: Path) -> str:
             },
         },
     )
-    return yaml.safe_dump_all([tenant, service])
+    return manifest_yaml.dump_all([tenant, service])
 
 
 def _adapter_manifest(adapter_dir: Path) -> str:
@@ -81,7 +83,7 @@ def _adapter_manifest(adapter_dir: Path) -> str:
         "metadata": {"name": ADAPTER, "namespace": NAMESPACE},
         "spec": {"inferenceService": SERVICE, "source": f"file://{adapter_dir}"},
     }
-    return yaml.safe_dump(adapter)
+    return manifest_yaml.dump(adapter)
 
 
 def _step(message: str) -> None:
@@ -158,7 +160,7 @@ def _over_quota_refusal(cluster) -> str:
 
     too_big = inference_service("too-big", "file:///nonexistent", NAMESPACE, replicas=5)
     result = cluster.kubectl(
-        "apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(too_big), check=False
+        "apply", "--dry-run=server", "-f", "-", input=manifest_yaml.dump(too_big), check=False
     )
     if result.returncode == 0:
         raise SystemExit("demo: the webhook admitted a service over the Tenant's quota")

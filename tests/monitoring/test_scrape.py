@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-import yaml
 
+from flotilla import manifest_yaml
 from flotilla.cluster.paths import promtool_path
 from flotilla.contract import ANNOTATION_PORT, ANNOTATION_SCRAPE, ENVOY_STATS_PATH, ENVOY_STATS_PORT_NAME
 from flotilla.monitoring.local import discovery_rbac
@@ -23,7 +23,7 @@ def test_promtool_accepts_the_generated_config(tmp_path):
     static = {"operator": ["127.0.0.1:8080"], "envoy": ["127.0.0.1:19000/stats/prometheus"]}
     config = prometheus_config(access, namespaces=["team-a"], static_targets=static)
     path = tmp_path / "prometheus.yml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(manifest_yaml.dump(config))
     result = subprocess.run(
         [str(promtool), "check", "config", "--syntax-only", str(path)],
         capture_output=True,

@@ -7,8 +7,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-import yaml
-
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import free_port, wait_for
 from flotilla.cluster.paths import prometheus_path
 
@@ -26,7 +25,7 @@ class PrometheusProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "prometheus.log"
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        (workdir / "prometheus.yml").write_text(manifest_yaml.dump(config))
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> PrometheusProcess:

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from flotilla import manifest_yaml
+
 SCHEMA_VERSION = 39
 GRID_COLUMNS = 24
 DATASOURCE_VARIABLE = "datasource"
@@ -379,11 +381,11 @@ def substitute(text: str, values: Mapping[str, str]) -> str:
     return _VARIABLE.sub(lambda m: values[m.group(1) or m.group(2)], text)
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(manifest_yaml.Dumper):
     pass
 
 
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+def _str(dumper: manifest_yaml.Dumper, value: str) -> yaml.Node:
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
 
 
@@ -411,7 +413,9 @@ def configmap(board: Json, namespace: str, folder: str = "") -> Json:
 def render_configmaps(maps: Iterable[Json], header: str = "") -> str:
     """ConfigMaps as one multi-document YAML file, each dashboard's JSON a literal block."""
     docs = [
-        yaml.dump(m, Dumper=_Dumper, sort_keys=False, width=1000, explicit_start=True, allow_unicode=True)
+        manifest_yaml.dump(
+            m, Dumper=_Dumper, sort_keys=False, width=1000, explicit_start=True, allow_unicode=True
+        )
         for m in maps
     ]
     return header + "".join(docs)

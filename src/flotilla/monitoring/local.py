@@ -7,8 +7,7 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
-import yaml
-
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.paths import prometheus_path
 from flotilla.cluster.processes import ProcessTable
@@ -58,7 +57,7 @@ def up(
         raise RuntimeError(f"{binary} is missing: run `flotilla cluster build`")
     workdir = state_dir / "prometheus"
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(discovery_rbac()))
+    cluster.kubectl("apply", "-f", "-", input=manifest_yaml.dump_all(discovery_rbac()))
     token = cluster.kubectl("create", "token", ACCOUNT, "-n", NAMESPACE, "--duration=24h").stdout.strip()
     token_file = workdir / "token"
     token_file.write_text(token)
@@ -67,7 +66,7 @@ def up(
     config = prometheus_config(
         access, static_targets=static_targets, rule_files=rule_files, interval=interval
     )
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (workdir / "prometheus.yml").write_text(manifest_yaml.dump(config, sort_keys=False))
     table = ProcessTable(state_dir / "pids")
     table.stop(PROCESS)
     port = port or free_port()

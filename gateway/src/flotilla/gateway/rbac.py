@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from flotilla import manifest_yaml
 from flotilla.contract import API_GROUP, INFERENCE_SERVICES, LORA_ADAPTERS, TENANTS
 
 CHART_DIR = Path("charts") / "flotilla"  # relative to the repository root
@@ -43,7 +42,7 @@ def files() -> dict[str, str]:
     """Path under the chart's files/ folder -> text."""
 
     def dump(rules: list[dict]) -> str:
-        return HEADER + yaml.safe_dump(rules, sort_keys=False, width=1000)
+        return HEADER + manifest_yaml.dump(rules, sort_keys=False, width=1000)
 
     return {"rbac/gateway-rules.yaml": dump(cluster_rules()),
             "rbac/gateway-secret-rules.yaml": dump(namespace_rules())}  # fmt: skip
@@ -76,4 +75,4 @@ def render(namespace: str) -> str:
         {"apiVersion": rbac, "kind": "RoleBinding", "metadata": meta | {"namespace": namespace}, "subjects": subject,
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": SERVICE_ACCOUNT}},
     ]  # fmt: skip
-    return yaml.safe_dump_all(docs, sort_keys=False)
+    return manifest_yaml.dump_all(docs, sort_keys=False)

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 
 import yaml
 
+from flotilla import manifest_yaml
 from flotilla.monitoring.rules.groups import GROUPS
 from flotilla.monitoring.rules.model import Alert, Group, Record
 
@@ -40,11 +41,11 @@ def prometheus_rule(
     }
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(manifest_yaml.Dumper):
     pass
 
 
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+def _str(dumper: manifest_yaml.Dumper, value: str) -> yaml.Node:
     style = "|" if "\n" in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
@@ -66,6 +67,8 @@ def render(groups: Iterable[Group] = GROUPS) -> str:
         for rule in group.rules:
             if isinstance(rule, Record):
                 lines.append(f"      # {rule.doc}")
-            text = yaml.dump([_rule(rule)], Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True)
+            text = manifest_yaml.dump(
+                [_rule(rule)], Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True
+            )
             lines += ["      " + line if line else line for line in text.rstrip("\n").split("\n")]
     return "\n".join(lines) + "\n"

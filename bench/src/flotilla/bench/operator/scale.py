@@ -18,8 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
+from flotilla import manifest_yaml
 from flotilla.contract import METRICS_PATH, OPERATOR_API_CALLS, RECONCILE_ERRORS, RECONCILES, counter_total
 
 NAMESPACE = "bench"
@@ -50,7 +49,7 @@ def _manifest(count: int) -> str:
         }
         for i in range(count)
     ]
-    return yaml.safe_dump_all(docs)
+    return manifest_yaml.dump_all(docs)
 
 
 def _metric_sum(text: str, name: str) -> float:

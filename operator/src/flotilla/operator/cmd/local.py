@@ -12,8 +12,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import yaml
-
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.processes import ProcessTable
 
@@ -53,7 +52,7 @@ def kubeconfig_for(cluster: ClusterHandle, path: Path, user: dict) -> Path:
         "current-context": "local",
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(manifest_yaml.dump(config))
     return path
 
 

@@ -13,8 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
+from flotilla import manifest_yaml
 from flotilla.cluster.handle import ClusterHandle
 from flotilla.cluster.helm import helm
 
@@ -96,7 +95,7 @@ def install(
 ) -> float:
     """`helm upgrade --install --wait`: returns the seconds until Helm saw every object ready."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="flotilla-values-") as file:
-        yaml.safe_dump(values, file)
+        manifest_yaml.dump(values, file)
         file.flush()
         adopt(cluster, chart, file.name)
         log(f"helm upgrade --install {RELEASE} {chart} -n {NAMESPACE} (waiting up to {timeout} for Ready)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from flotilla import manifest_yaml
 from flotilla.monitoring import dashboards
 from flotilla.monitoring.rules.rendering import rule_groups
 from flotilla.operator.manifests.crds import HEADER as CRD_HEADER
@@ -36,7 +37,7 @@ KEEP = {"helm.sh/resource-policy": "keep"}
 
 
 def _yaml(data: object, notes: str = "") -> str:
-    return HEADER + notes + yaml.safe_dump(data, sort_keys=False, width=1000)
+    return HEADER + notes + manifest_yaml.dump(data, sort_keys=False, width=1000)
 
 
 def _kept_crd(text: str) -> str:

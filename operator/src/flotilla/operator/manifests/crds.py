@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from flotilla import manifest_yaml
 from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import (
     GROUP,
@@ -186,7 +187,7 @@ HEADER = "# Generated from operator/api.py by `flotilla operator crds`. Do not e
 
 
 def render(kind: Kind) -> str:
-    return HEADER + yaml.safe_dump(crd(kind), sort_keys=False, width=110)
+    return HEADER + manifest_yaml.dump(crd(kind), sort_keys=False, width=110)
 
 
 PEERING_CRD_NAME = "clusterkopfpeerings.kopf.dev"
@@ -251,7 +252,7 @@ def inference_pool_crd() -> dict[str, Any]:
 def crd_files() -> dict[str, str]:
     """File name -> YAML text, for every kind, kopf's peering CRD and the InferencePool's."""
     files = {f"{kind.crd_name}.yaml": render(kind) for kind in KINDS}
-    files[f"{PEERING_CRD_NAME}.yaml"] = HEADER + yaml.safe_dump(
+    files[f"{PEERING_CRD_NAME}.yaml"] = HEADER + manifest_yaml.dump(
         kopf_peering_crd(), sort_keys=False, width=110
     )
     files[f"{gie.CRD_NAME}.yaml"] = GIE_HEADER + inference_pool_crd_text()

@@ -6,8 +6,7 @@ The e2e tests run the operator under this identity, so a missing verb fails them
 
 from __future__ import annotations
 
-import yaml
-
+from flotilla import manifest_yaml
 from flotilla.contract import ENGINE_TOKEN_SECRET
 from flotilla.operator.api import inference_extension as gie
 from flotilla.operator.api.v1alpha1 import GROUP, INFERENCE_SERVICE, LORA_ADAPTER, TENANT
@@ -190,5 +189,5 @@ def render(namespace: str) -> str:
         header
         + "# Why each rule exists:\n"
         + notes
-        + yaml.safe_dump_all(manifests(namespace), sort_keys=False)
+        + manifest_yaml.dump_all(manifests(namespace), sort_keys=False)
     )
