@@ -94,25 +94,41 @@ void flotilla_rms_norm_bf16(uint16_t *out, const uint16_t *x, uint16_t *residual
 }
 
 /* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) so that exp's argument is never positive: 1 / (1 + e)
- * for g >= 0, e / (1 + e) below (one division for both). */
-static inline v8f silu8(v8f g) {
-    const v8i negative = g < splat(0.0f);
-    const v8f e = exp_nonpositive((v8f)((v8i)g | (v8i)splat_i(0x80000000u))); /* -|g| */
-    const v8f numerator = (v8f)(((v8i)e & negative) | ((v8i)splat(1.0f) & ~negative));
-    return g * (numerator / (splat(1.0f) + e));
-}
+ * for g >= 0, e / (1 + e) below (one division for both). One body for 8 and 16 lanes. */
+#define DEFINE_SILU(NAME, VF, VI, EXP)                                                                         \
+    static inline VF NAME(VF g) {                                                                              \
+        const VI negative = g < 0.0f;                                                                          \
+        const VF e = EXP((VF)((VI)g | (int32_t)0x80000000u)); /* -|g| */                                       \
+        const VF numerator = (VF)(((VI)e & negative) | ((VI)((VF){} + 1.0f) & ~negative));                     \
+        return g * (numerator / (1.0f + e));                                                                   \
+    }
+
+DEFINE_SILU(silu8, v8f, v8i, exp_nonpositive)
+#if defined(__AVX512F__)
+DEFINE_SILU(silu16, v16f, v16i, exp_nonpositive16)
+#endif
 
 static inline __attribute__((always_inline)) void silu_and_mul_rows(void *out, const void *gate_up, int64_t rows,
                                                                     int64_t inner, int32_t threads, const int bf16) {
-    const int64_t body = inner & ~(int64_t)7;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in = r * 2 * inner, o = r * inner;
-        for (int64_t i = 0; i < body; i += 8) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inner; i += 16) {
+            const v16f gate = silu16(load_any16(gate_up, in + i, bf16));
+            const v16f product = (bf16 ? round_bf16x16(gate) : gate) * load_any16(gate_up, in + inner + i, bf16);
+            if (bf16)
+                store_bf16x16((uint16_t *)out + o + i, product);
+            else
+                _mm512_storeu_ps((float *)out + o + i, (__m512)product);
+        }
+#endif
+        for (; i + 8 <= inner; i += 8) {
             const v8f activated = round8(silu8(load_any8(gate_up, in + i, bf16)), bf16);
             store_x8(out, o + i, activated * load_any8(gate_up, in + inner + i, bf16), bf16);
         }
-        for (int64_t i = body; i < inner; i++) {
+        for (; i < inner; i++) {
             const float activated = round1(silu8(splat(load_x1(gate_up, in + i, bf16)))[0], bf16);
             store_x1(out, o + i, activated * load_x1(gate_up, in + inner + i, bf16), bf16);
         }

@@ -68,13 +68,6 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xdd));
 }
 
-/* Sixteen values from element `index` of a float32 or bfloat16 array, as float32. */
-static inline __attribute__((always_inline)) __m512 load_any16(const void *p, int64_t index, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p + index);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + index));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 /* One query head's scores for the `n` tokens from element `base` on, sixteen tokens at a time (a partial
    last tile repeats its first token, unused), times `scale`, into `row`. A token's dot product is one
    vector of partial sums: bfloat16 keys meet the query rounded to bfloat16 in `vdpbf16ps` (32 products
@@ -197,7 +190,7 @@ static inline __attribute__((always_inline)) void attend_heads(
                     __m512 p[MAX_GROUP];
                     for (int g = 0; g < group; g++) p[g] = _mm512_set1_ps(scores[h0 + g][t]);
                     for (int d = 0; d < head_dim / 16; d++) {
-                        const __m512 value = load_any16(v_cache, v + 16 * d, bf16);
+                        const __m512 value = (__m512)load_any16(v_cache, v + 16 * d, bf16);
                         for (int g = 0; g < group; g++) a[g][d] = _mm512_fmadd_ps(p[g], value, a[g][d]);
                     }
                 }

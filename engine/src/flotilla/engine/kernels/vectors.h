@@ -30,30 +30,26 @@ static inline v8f vmax(v8f a, v8f b) {
 }
 
 /* exp(x) for x <= 0 (scores less their running maximum; below -87 it gives about 1e-38): x = n ln2 + r
- * with |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n by the exponent bits. */
-static inline v8f exp_nonpositive(v8f x) {
-    const v8i below = x < splat(-87.0f);
-    v8i xi, floor_bits;
-    const v8f floor_value = splat(-87.0f);
-    memcpy(&xi, &x, sizeof xi);
-    memcpy(&floor_bits, &floor_value, sizeof floor_bits);
-    xi = (xi & ~below) | (floor_bits & below);
-    memcpy(&x, &xi, sizeof x);
-    const v8i n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), v8i);
-    const v8f nf = __builtin_convertvector(n, v8f);
-    const v8f r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
-    v8f p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    v8i bits = (n + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+ * with |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^n by the exponent bits. One body for every
+ * width (VF float lanes, VI as many int32 lanes): GCC's vector extensions take scalars as splats. */
+#define DEFINE_EXP_NONPOSITIVE(NAME, VF, VI)                                                                   \
+    static inline VF NAME(VF x) {                                                                              \
+        const VI below = x < -87.0f;                                                                           \
+        x = (VF)(((VI)x & ~below) | ((VI)((VF){} - 87.0f) & below));                                           \
+        const VI n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, VI);                             \
+        const VF nf = __builtin_convertvector(n, VF);                                                          \
+        const VF r = x - nf * 0.693359375f - nf * -2.12194440e-4f;                                             \
+        VF p = (VF){} + 1.9875691500e-4f;                                                                      \
+        p = p * r + 1.3981999507e-3f;                                                                          \
+        p = p * r + 8.3334519073e-3f;                                                                          \
+        p = p * r + 4.1665795894e-2f;                                                                          \
+        p = p * r + 1.6666665459e-1f;                                                                          \
+        p = p * r + 5.0000001201e-1f;                                                                          \
+        p = p * r * r + r + 1.0f;                                                                              \
+        return p * (VF)((n + 127) << 23);                                                                      \
+    }
+
+DEFINE_EXP_NONPOSITIVE(exp_nonpositive, v8f, v8i)
 
 static inline v8f load8(const float *p) {
     v8f v;
@@ -115,5 +111,36 @@ static inline void store_bf16x8(uint16_t *p, v8f v) {
     memcpy(p, &halves, sizeof halves);
 #endif
 }
+
+#if defined(__AVX512F__)
+/* Sixteen lanes: one AVX-512 register. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+DEFINE_EXP_NONPOSITIVE(exp_nonpositive16, v16f, v16i)
+
+/* Sixteen values from element `index` of a float32 or bfloat16 array, as float32. */
+static inline __attribute__((always_inline)) v16f load_any16(const void *p, int64_t index, const int bf16) {
+    if (!bf16) return (v16f)_mm512_loadu_ps((const float *)p + index);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + index));
+    return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* bf16_bits on sixteen lanes. */
+static inline v16i bf16_bits16(v16f v) {
+    const v16i bits = (v16i)v;
+    const v16i nan = (bits & 0x7fffffff) > 0x7f800000;
+    const v16i rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & (int32_t)0xffff0000u;
+    return (rounded & ~nan) | (((v16i){} + 0x7fc00000) & nan);
+}
+
+static inline v16f round_bf16x16(v16f v) { return (v16f)bf16_bits16(v); }
+
+/* Sixteen float32 values as bfloat16 (rounded as bf16_bits), with one vpmovdw. */
+static inline void store_bf16x16(uint16_t *p, v16f v) {
+    const __m512i top = _mm512_srli_epi32((__m512i)bf16_bits16(v), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(top));
+}
+#endif
 
 #endif
