@@ -95,7 +95,7 @@ def install(
 ) -> float:
     """`helm upgrade --install --wait`: returns the seconds until Helm saw every object ready."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="flotilla-values-") as file:
-        manifest_yaml.dump(values, file)
+        file.write(manifest_yaml.dump(values))
         file.flush()
         adopt(cluster, chart, file.name)
         log(f"helm upgrade --install {RELEASE} {chart} -n {NAMESPACE} (waiting up to {timeout} for Ready)")
