@@ -1,4 +1,4 @@
-"""Paged attention: the torch reference and the CPU's compiled decode kernel against plain dense attention,
+"""Paged attention: the torch reference and the CPU's compiled decode and prefill kernels against plain dense attention,
 and the Triton kernels (run by Triton's CPU interpreter, TRITON_INTERPRET=1) against the reference, over
 block sizes, GQA ratios, head dims 64 and 128, and ragged lengths."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flotilla.engine.kernels import attention, c_library, cpu_decode
+from flotilla.engine.kernels import attention, c_library, cpu_decode, cpu_prefill
 
 
 def random_paged(seq_lens, num_kv_heads, head_dim, block_size, seed=0):
@@ -174,10 +174,98 @@ def test_cpu_kernel_reads_block_table_rows_with_a_stride_and_leaves_the_caches_a
     assert empty.shape == (0, 4, 64)
 
 
-def test_the_cpu_backend_matches_the_torch_backend_over_a_mixed_step():
-    """Decode requests and a prefill chunk in one step: the cpu backend decodes with the kernel, the
-    prefill keeps the torch path, and both land in the right rows."""
-    block_size, heads, kv_heads, head_dim = 4, 8, 2, 64
+PREFILL_CASES = [
+    # block_size, num_heads, num_kv_heads, head_dim, [(context, new tokens) per chunk]
+    (16, 8, 4, 64, [(0, 40), (0, 1), (0, 17)]),  # tiny-llama's shapes; tiles of 32 tokens, partial ones
+    (16, 8, 8, 64, [(5, 30), (16, 16), (0, 3)]),  # a cached prefix, aligned to blocks and not
+    (8, 8, 1, 128, [(21, 9), (0, 70)]),  # 8 query heads per KV head: tiles of 8 tokens
+    (32, 4, 2, 128, [(0, 100), (33, 2)]),  # a chunk of two tokens: speculative verification's shape
+    (4, 12, 4, 32, [(3, 13), (0, 5)]),  # 3 heads per KV head; head_dim 32: two 16-float vectors
+    (64, 16, 1, 64, [(64, 65)]),  # 16 heads per KV head: 4 tokens a tile
+    (16, 6, 2, 96, [(7, 25)]),
+]
+
+
+@pytest.fixture
+def prefill_build(c_build, monkeypatch):
+    """The prefill kernel of the native build, or of the build without AVX-512 (conftest.py)."""
+    if c_build is not None:
+
+        def narrow(dtype):
+            fn = getattr(c_build, cpu_prefill.SYMBOLS[dtype])
+            fn.argtypes, fn.restype = cpu_prefill._ARGS, cpu_prefill.ctypes.c_int32
+            return fn
+
+        monkeypatch.setattr(cpu_prefill, "kernel", narrow)
+        monkeypatch.setattr(cpu_prefill, "vector_lanes", c_build.flotilla_paged_prefill_lanes)
+        monkeypatch.setattr(cpu_prefill, "unusable", cpu_prefill.unusable.__wrapped__)
+
+
+def _prefill_case(block_size, heads, kv_heads, head_dim, chunks, dtype, magnitude, seed):
+    """Caches holding each chunk's context and itself, the chunks' rows behind `lead` decode-like rows the
+    kernel must leave alone, and the dense reference of each chunk."""
+    totals = [context + n for context, n in chunks]
+    k_cache, v_cache, tables, dense_k, dense_v = random_paged(
+        totals, kv_heads, head_dim, block_size, seed=seed
+    )
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    lead = 2
+    rows = sum(n for _, n in chunks) + lead
+    q = (
+        torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)) * magnitude
+    ).to(dtype)
+    starts = [lead + sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    plan = cpu_prefill.PrefillPlan.of(tables, starts, [n for _, n in chunks], [c for c, _ in chunks])
+    refs = []
+    for i, (context, n) in enumerate(chunks):
+        k, v = dense_k[i].to(dtype).float(), dense_v[i].to(dtype).float()
+        refs.append(
+            dense_attention(q[starts[i] : starts[i] + n].float(), k, v, head_dim**-0.5, causal_offset=context)
+        )
+    return q, k_cache, v_cache, plan, starts, refs
+
+
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,chunks", PREFILL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [1.0, 40.0])
+def test_cpu_prefill_kernel_matches_dense_causal_attention(
+    prefill_build, block_size, heads, kv_heads, head_dim, chunks, dtype, magnitude
+):
+    """Each chunk attends to its context and causally to itself; magnitude 40 makes one score dominate a row,
+    so the online softmax must rescale across sub-tiles. In bfloat16 the only difference from float32
+    attention over the same values is the output's one rounding."""
+    if cpu_prefill.unusable(dtype, head_dim, heads, kv_heads):
+        pytest.skip(cpu_prefill.unusable(dtype, head_dim, heads, kv_heads))
+    q, k_cache, v_cache, plan, starts, refs = _prefill_case(
+        block_size, heads, kv_heads, head_dim, chunks, dtype, magnitude, seed=11
+    )
+    caches_before = k_cache.clone(), v_cache.clone()
+    out = torch.full_like(q, 7.0)
+    cpu_prefill.paged_prefill(q, k_cache, v_cache, plan, head_dim**-0.5, out)
+    tolerance = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-5, "rtol": 2**-8}
+    for (_, n), start, ref in zip(chunks, starts, refs, strict=True):
+        torch.testing.assert_close(out[start : start + n].float(), ref, **tolerance)
+    assert bool((out[:2] == 7.0).all()), "rows outside the chunks were written"
+    assert torch.equal(k_cache, caches_before[0]) and torch.equal(v_cache, caches_before[1])
+
+
+def test_the_prefill_kernel_names_the_sizes_it_does_not_serve(prefill_build):
+    lanes = cpu_prefill.vector_lanes()
+    assert cpu_prefill.unusable(torch.float32, 64, 8, 4) is None
+    assert cpu_prefill.unusable(torch.float32, lanes + 4, 8, 4) == (
+        f"head_dim {lanes + 4}: it handles multiples of {lanes} up to 256"
+    )
+    assert cpu_prefill.unusable(torch.float32, 512, 8, 4).startswith("head_dim 512")
+    assert cpu_prefill.unusable(torch.float32, 64, 128, 1).startswith("128 heads over 1 KV heads")
+    assert cpu_prefill.unusable(torch.float16, 64, 8, 4).endswith("the dtype is float16")
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_the_cpu_backend_matches_the_torch_backend_over_a_mixed_step(head_dim):
+    """Decode requests and a prefill chunk in one step: the cpu backend decodes with the decode kernel and
+    the chunk with the prefill kernel (head_dim 24 on a machine with AVX-512: with the torch path, which it
+    falls back to), and both land in the right rows."""
+    block_size, heads, kv_heads = 4, 8, 2
     seq_lens = [9, 6, 13]  # request 1 is a 3-token chunk after 3 cached tokens
     k_cache, v_cache, tables, _, _ = random_paged(seq_lens, kv_heads, head_dim, block_size, seed=7)
     new = [1, 3, 1]

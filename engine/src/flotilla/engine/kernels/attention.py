@@ -186,7 +186,7 @@ def chunk_attention(query, k_cache, v_cache, chunk: PrefillChunk, scale: float) 
 class _StepPlan:
     decode: object | None  # what the backend's decode() reuses in every layer; None: no decode requests
     decode_rows: torch.Tensor | None  # the decode queries' rows; None: every row, in order
-    prefills: list[PrefillChunk]
+    prefills: object | None  # what the backend's prefill() reuses in every layer; None: no prefill chunks
 
 
 class TorchAttentionBackend:
@@ -216,17 +216,35 @@ class TorchAttentionBackend:
         if plan is None:
             plan = meta.backend_cache[self.name] = self._plan(meta, k_cache.shape[1])
         assert isinstance(plan, _StepPlan)
-        if plan.decode is not None and not plan.prefills:
+        if plan.decode is not None and plan.prefills is None:
             return self.decode(query, k_cache, v_cache, plan.decode, scale)
         out = torch.empty_like(query)
         if plan.decode is not None:
             rows = plan.decode_rows
             out[rows] = self.decode(query[rows], k_cache, v_cache, plan.decode, scale)
-        for chunk in plan.prefills:
+        if plan.prefills is not None:
+            self.prefill(query, k_cache, v_cache, plan.prefills, scale, out)
+        return out
+
+    def plan_prefills(self, meta: AttentionMetadata, block_size: int) -> object:
+        """What prefill() reuses in every layer for the step's chunks (there is at least one)."""
+        return [
+            prefill_chunk(
+                meta.query_start[r],
+                meta.query_start[r + 1],
+                meta.block_tables[r],
+                meta.context_lens[r],
+                block_size,
+            )
+            for r in meta.prefill_requests
+        ]
+
+    def prefill(self, query, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:
+        """Writes each chunk's attention into its rows of `out`."""
+        for chunk in plan:
             out[chunk.start : chunk.end] = chunk_attention(
                 query[chunk.start : chunk.end], k_cache, v_cache, chunk, scale
             )
-        return out
 
     def _plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
         decode = None
@@ -237,14 +255,5 @@ class TorchAttentionBackend:
             decode = self.plan_decode(tables, [meta.seq_lens[r] for r in reqs], block_size)
             if meta.prefill_requests:
                 decode_rows = meta.decode_token_index
-        prefills = [
-            prefill_chunk(
-                meta.query_start[r],
-                meta.query_start[r + 1],
-                meta.block_tables[r],
-                meta.context_lens[r],
-                block_size,
-            )
-            for r in meta.prefill_requests
-        ]
+        prefills = self.plan_prefills(meta, block_size) if meta.prefill_requests else None
         return _StepPlan(decode, decode_rows, prefills)

@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_decode.c", HERE / "cpu_ops.c")
+SOURCES = (HERE / "paged_decode.c", HERE / "paged_prefill.c", HERE / "cpu_ops.c")
 HEADERS = (HERE / "vectors.h",)
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise keep every a += b * c a multiply and an add
 # instead of one FMA (faster, and rounded once).

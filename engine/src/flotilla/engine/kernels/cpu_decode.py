@@ -9,8 +9,8 @@ from functools import cache
 
 import torch
 
-from flotilla.engine.kernels import c_library, fused
-from flotilla.engine.kernels.attention import TorchAttentionBackend
+from flotilla.engine.kernels import c_library, cpu_prefill, fused
+from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
 
 # The kernel's entry point per cache dtype: queries and outputs are float32 in both.
 SYMBOLS = {torch.float32: "flotilla_paged_decode_f32", torch.bfloat16: "flotilla_paged_decode_bf16"}
@@ -102,12 +102,46 @@ class CpuDecodePlan:
     seq_lens: torch.Tensor  # [B] int32
 
 
+@dataclass
+class CpuPrefillPlan:
+    kernel: cpu_prefill.PrefillPlan
+    meta: AttentionMetadata  # for the torch path's chunks, where the prefill kernel does not serve
+    block_size: int
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decode through the compiled kernel (float32 and bfloat16 caches; prefill chunks, and
-    speculative verification's several tokens per request, keep the torch path), and RoPE fused with the KV
-    store (fused.rope_and_store)."""
+    """The torch backend with decode and prefill through the compiled kernels (float32 and bfloat16 caches;
+    a chunk of several new tokens, a prompt's or speculative verification's, goes to the prefill kernel
+    where its sizes allow, to the torch path elsewhere), and RoPE fused with the KV store
+    (fused.rope_and_store)."""
 
     name = "cpu"
+
+    def plan_prefills(self, meta: AttentionMetadata, block_size: int) -> object:
+        requests = meta.prefill_requests
+        tables = (
+            meta.block_tables if len(requests) == meta.block_tables.shape[0] else meta.block_tables[requests]
+        )
+        kernel_plan = cpu_prefill.PrefillPlan.of(
+            tables,
+            [meta.query_start[r] for r in requests],
+            [meta.query_start[r + 1] - meta.query_start[r] for r in requests],
+            [meta.context_lens[r] for r in requests],
+        )
+        return CpuPrefillPlan(kernel_plan, meta, block_size)
+
+    def prefill(self, query, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:
+        assert isinstance(plan, CpuPrefillPlan)
+        _, num_heads, head_dim = query.shape
+        if (
+            cpu_prefill.unusable(k_cache.dtype, head_dim, num_heads, k_cache.shape[2])
+            or out.dtype != k_cache.dtype
+        ):
+            super().prefill(
+                query, k_cache, v_cache, super().plan_prefills(plan.meta, plan.block_size), scale, out
+            )
+            return
+        cpu_prefill.paged_prefill(query, k_cache, v_cache, plan.kernel, scale, out)
 
     def plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> object:
         return CpuDecodePlan(

@@ -10,14 +10,6 @@
  */
 #include "vectors.h"
 
-static inline __attribute__((always_inline)) float load_x1(const void *p, int64_t i, const int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline __attribute__((always_inline)) void store_x8(void *p, int64_t i, v8f v, const int bf16) {
     if (bf16)
         store_bf16x8((uint16_t *)p + i, v);
@@ -63,9 +55,9 @@ static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const
             squares += v * v;
         }
         for (int64_t i = body; i < d; i++) {
-            float v = load_x1(x, row + i, bf16);
+            float v = load_any1(x, row + i, bf16);
             if (residual) {
-                v = round1(v + load_x1(residual, row + i, bf16), bf16);
+                v = round1(v + load_any1(residual, row + i, bf16), bf16);
                 store_x1(residual, row + i, v, bf16);
             }
             tail += v * v;
@@ -77,8 +69,8 @@ static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const
             store_x8(out, row + i, load_any8(w, i, bf16) * normed, bf16);
         }
         for (int64_t i = body; i < d; i++) {
-            const float normed = round1(load_x1(src, row + i, bf16) * scale, bf16);
-            store_x1(out, row + i, load_x1(w, i, bf16) * normed, bf16);
+            const float normed = round1(load_any1(src, row + i, bf16) * scale, bf16);
+            store_x1(out, row + i, load_any1(w, i, bf16) * normed, bf16);
         }
     }
 }
@@ -129,8 +121,8 @@ static inline __attribute__((always_inline)) void silu_and_mul_rows(void *out, c
             store_x8(out, o + i, activated * load_any8(gate_up, in + inner + i, bf16), bf16);
         }
         for (; i < inner; i++) {
-            const float activated = round1(silu8(splat(load_x1(gate_up, in + i, bf16)))[0], bf16);
-            store_x1(out, o + i, activated * load_x1(gate_up, in + inner + i, bf16), bf16);
+            const float activated = round1(silu8(splat(load_any1(gate_up, in + i, bf16)))[0], bf16);
+            store_x1(out, o + i, activated * load_any1(gate_up, in + inner + i, bf16), bf16);
         }
     }
 }

@@ -59,6 +59,15 @@ static inline v8f load8(const float *p) {
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
+/* One value from element `index` of a float32 (bf16 == 0) or bfloat16 array, as float32. */
+static inline __attribute__((always_inline)) float load_any1(const void *p, int64_t index, const int bf16) {
+    if (!bf16) return ((const float *)p)[index];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[index] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* Eight values from element `index` of a float32 (bf16 == 0) or bfloat16 array, as float32 (widening a
  * bfloat16 is exact: it is the top half of a float32's bits). Callers pass bf16 as a constant, so each
  * inlined copy keeps one branch. */
