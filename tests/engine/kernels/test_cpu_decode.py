@@ -123,3 +123,22 @@ def test_packing_for_the_cpu_keeps_the_outputs_and_leaves_shared_weights_plain()
         torch.testing.assert_close(model.bf16(x.bfloat16()), before[2])
         assert model.proj(torch.randn(300, 48)).shape == (300, 40)  # any batch size, not only the packed one
     assert pack_for_cpu(model) == 0  # idempotent
+
+
+def test_the_engines_wheel_carries_every_file_the_c_library_compiles():
+    """An installed engine (its image) builds the library from the package's own files: a source or header
+    left out of the package data leaves every CPU kernel unavailable there."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[3] / "engine" / "pyproject.toml"
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"][
+        "flotilla.engine.kernels"
+    ]
+    missing = [
+        path.name
+        for path in (*c_library.SOURCES, *c_library.HEADERS)
+        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns)
+    ]
+    assert not missing, f"not in flotilla.engine.kernels' package data: {missing}"
