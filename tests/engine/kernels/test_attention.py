@@ -90,17 +90,22 @@ CPU_KERNEL_CASES = [
 ]
 
 
-@pytest.fixture
-def kernel_build(c_build, monkeypatch):
-    """The decode kernel of the native build, or of the build without AVX-512 (conftest.py)."""
+def _use_build(module, c_build, monkeypatch) -> None:
+    """Points `module.kernel` (cpu_decode's or cpu_prefill's) at the build c_build names (None: native)."""
     if c_build is not None:
 
         def narrow(dtype):
-            fn = getattr(c_build, cpu_decode.SYMBOLS[dtype])
-            fn.argtypes, fn.restype = cpu_decode._ARGS, cpu_decode.ctypes.c_int32
+            fn = getattr(c_build, module.SYMBOLS[dtype])
+            fn.argtypes, fn.restype = module._ARGS, module.ctypes.c_int32
             return fn
 
-        monkeypatch.setattr(cpu_decode, "kernel", narrow)
+        monkeypatch.setattr(module, "kernel", narrow)
+
+
+@pytest.fixture
+def kernel_build(c_build, monkeypatch):
+    """The decode kernel of the native build, or of the build without AVX-512 (conftest.py)."""
+    _use_build(cpu_decode, c_build, monkeypatch)
 
 
 def test_the_wide_path_is_built_where_avx512_with_bfloat16_is_and_only_there(c_build):
@@ -189,14 +194,8 @@ PREFILL_CASES = [
 @pytest.fixture
 def prefill_build(c_build, monkeypatch):
     """The prefill kernel of the native build, or of the build without AVX-512 (conftest.py)."""
+    _use_build(cpu_prefill, c_build, monkeypatch)
     if c_build is not None:
-
-        def narrow(dtype):
-            fn = getattr(c_build, cpu_prefill.SYMBOLS[dtype])
-            fn.argtypes, fn.restype = cpu_prefill._ARGS, cpu_prefill.ctypes.c_int32
-            return fn
-
-        monkeypatch.setattr(cpu_prefill, "kernel", narrow)
         monkeypatch.setattr(cpu_prefill, "vector_lanes", c_build.flotilla_paged_prefill_lanes)
         monkeypatch.setattr(cpu_prefill, "unusable", cpu_prefill.unusable.__wrapped__)
 

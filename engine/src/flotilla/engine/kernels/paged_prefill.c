@@ -188,25 +188,18 @@ static inline __attribute__((always_inline)) int paged_prefill(
     return 0;
 }
 
-int flotilla_paged_prefill_f32(const float *query, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t table_stride, const int32_t *chunk_rows,
-                               const int32_t *chunk_lens, const int32_t *context_lens, float *out,
-                               int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                               int32_t block_size, float scale, int32_t num_threads) {
-    return paged_prefill(query, k_cache, v_cache, block_tables, table_stride, chunk_rows, chunk_lens,
-                         context_lens, out, num_chunks, num_heads, num_kv_heads, head_dim, block_size, scale,
-                         num_threads, 0);
-}
-
-int flotilla_paged_prefill_bf16(const float *query, const uint16_t *k_cache, const uint16_t *v_cache,
-                                const int32_t *block_tables, int64_t table_stride, const int32_t *chunk_rows,
-                                const int32_t *chunk_lens, const int32_t *context_lens, uint16_t *out,
-                                int32_t num_chunks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                                int32_t block_size, float scale, int32_t num_threads) {
-    return paged_prefill(query, k_cache, v_cache, block_tables, table_stride, chunk_rows, chunk_lens,
-                         context_lens, out, num_chunks, num_heads, num_kv_heads, head_dim, block_size, scale,
-                         num_threads, 1);
-}
+/* The entry points, one per cache dtype (the output is in the caches' dtype). */
+#define PREFILL_ENTRY(NAME, CACHE_T, BF16)                                                                     \
+    int NAME(const float *query, const CACHE_T *k_cache, const CACHE_T *v_cache, const int32_t *block_tables,  \
+             int64_t table_stride, const int32_t *chunk_rows, const int32_t *chunk_lens,                       \
+             const int32_t *context_lens, CACHE_T *out, int32_t num_chunks, int32_t num_heads,                 \
+             int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale, int32_t num_threads) {   \
+        return paged_prefill(query, k_cache, v_cache, block_tables, table_stride, chunk_rows, chunk_lens,      \
+                             context_lens, out, num_chunks, num_heads, num_kv_heads, head_dim, block_size,     \
+                             scale, num_threads, BF16);                                                        \
+    }
+PREFILL_ENTRY(flotilla_paged_prefill_f32, float, 0)
+PREFILL_ENTRY(flotilla_paged_prefill_bf16, uint16_t, 1)
 
 /* The floats per vector of this build's prefill kernel: head_dim must be a multiple of it. */
 int flotilla_paged_prefill_lanes(void) { return LANES; }
