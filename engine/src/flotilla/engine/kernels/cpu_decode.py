@@ -107,6 +107,7 @@ class CpuPrefillPlan:
     kernel: cpu_prefill.PrefillPlan
     meta: AttentionMetadata  # for the torch path's chunks, where the prefill kernel does not serve
     block_size: int
+    torch_chunks: object | None = None  # those chunks, planned by the first layer that needs them
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -137,9 +138,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             cpu_prefill.unusable(k_cache.dtype, head_dim, num_heads, k_cache.shape[2])
             or out.dtype != k_cache.dtype
         ):
-            super().prefill(
-                query, k_cache, v_cache, super().plan_prefills(plan.meta, plan.block_size), scale, out
-            )
+            if plan.torch_chunks is None:
+                plan.torch_chunks = super().plan_prefills(plan.meta, plan.block_size)
+            super().prefill(query, k_cache, v_cache, plan.torch_chunks, scale, out)
             return
         cpu_prefill.paged_prefill(query, k_cache, v_cache, plan.kernel, scale, out)
 
