@@ -49,6 +49,11 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def block_table_rows(block_tables: torch.Tensor, requests: list[int]) -> torch.Tensor:
+    """The block tables of `requests` (the whole tensor, uncopied, when they are every request)."""
+    return block_tables if len(requests) == block_tables.shape[0] else block_tables[requests]
+
+
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Whole blocks of a cache, in order: [len(block_ids), block_size, KVH, D]. index_select over rows of
     one block each copies about twice as fast on CPU as advanced indexing."""
@@ -251,7 +256,7 @@ class TorchAttentionBackend:
         decode_rows = None
         if meta.decode_requests:
             reqs = meta.decode_requests
-            tables = meta.block_tables if len(reqs) == meta.block_tables.shape[0] else meta.block_tables[reqs]
+            tables = block_table_rows(meta.block_tables, reqs)
             decode = self.plan_decode(tables, [meta.seq_lens[r] for r in reqs], block_size)
             if meta.prefill_requests:
                 decode_rows = meta.decode_token_index

@@ -10,7 +10,7 @@ from functools import cache
 import torch
 
 from flotilla.engine.kernels import c_library, cpu_prefill, fused
-from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend, block_table_rows
 
 # The kernel's entry point per cache dtype: queries and outputs are float32 in both.
 SYMBOLS = {torch.float32: "flotilla_paged_decode_f32", torch.bfloat16: "flotilla_paged_decode_bf16"}
@@ -120,11 +120,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def plan_prefills(self, meta: AttentionMetadata, block_size: int) -> object:
         requests = meta.prefill_requests
-        tables = (
-            meta.block_tables if len(requests) == meta.block_tables.shape[0] else meta.block_tables[requests]
-        )
         kernel_plan = cpu_prefill.PrefillPlan.of(
-            tables,
+            block_table_rows(meta.block_tables, requests),
             [meta.query_start[r] for r in requests],
             [meta.query_start[r + 1] - meta.query_start[r] for r in requests],
             [meta.context_lens[r] for r in requests],

@@ -21,7 +21,6 @@ static inline float hsum(v8f v) {
 static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
-static inline v8u splat_i(uint32_t x) { return (v8u){x, x, x, x, x, x, x, x}; }
 
 /* Lane-wise maximum (of numbers; a NaN lane takes b's). */
 static inline v8f vmax(v8f a, v8f b) {
@@ -87,24 +86,21 @@ static inline __attribute__((always_inline)) v8f load_any8(const void *p, int64_
     return v;
 }
 
-/* The bits of eight float32 values rounded to bfloat16, to nearest even (NaN stays a quiet NaN), like
- * torch's cast: the bfloat16 in each lane's top half, zeros below. */
-static inline v8i bf16_bits(v8f v) {
-    v8i bits;
-    memcpy(&bits, &v, sizeof bits);
-    const v8i nan = (bits & 0x7fffffff) > 0x7f800000;
-    const v8i rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & (v8i)splat_i(0xffff0000u);
-    return (rounded & ~nan) | ((v8i)splat_i(0x7fc00000u) & nan);
-}
+/* The bits of float32 values rounded to bfloat16, to nearest even (NaN stays a quiet NaN), like torch's
+ * cast: the bfloat16 in each lane's top half, zeros below. One body for every width. */
+#define DEFINE_BF16_BITS(NAME, VF, VI)                                                                         \
+    static inline VI NAME(VF v) {                                                                              \
+        const VI bits = (VI)v;                                                                                 \
+        const VI nan = (bits & 0x7fffffff) > 0x7f800000;                                                       \
+        const VI rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & (int32_t)0xffff0000u;                        \
+        return (rounded & ~nan) | (((VI){} + 0x7fc00000) & nan);                                               \
+    }
+
+DEFINE_BF16_BITS(bf16_bits, v8f, v8i)
 
 /* Eight float32 values rounded to bfloat16 and widened back (in registers: the identity for what a
  * bfloat16 tensor can hold). */
-static inline v8f round_bf16(v8f v) {
-    const v8i bits = bf16_bits(v);
-    v8f out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
+static inline v8f round_bf16(v8f v) { return (v8f)bf16_bits(v); }
 
 /* Eight float32 values as bfloat16 (rounded as bf16_bits). */
 static inline void store_bf16x8(uint16_t *p, v8f v) {
@@ -135,13 +131,7 @@ static inline __attribute__((always_inline)) v16f load_any16(const void *p, int6
     return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-/* bf16_bits on sixteen lanes. */
-static inline v16i bf16_bits16(v16f v) {
-    const v16i bits = (v16i)v;
-    const v16i nan = (bits & 0x7fffffff) > 0x7f800000;
-    const v16i rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & (int32_t)0xffff0000u;
-    return (rounded & ~nan) | (((v16i){} + 0x7fc00000) & nan);
-}
+DEFINE_BF16_BITS(bf16_bits16, v16f, v16i)
 
 static inline v16f round_bf16x16(v16f v) { return (v16f)bf16_bits16(v); }
 
