@@ -248,6 +248,17 @@ def test_cpu_prefill_kernel_matches_dense_causal_attention(
     assert torch.equal(k_cache, caches_before[0]) and torch.equal(v_cache, caches_before[1])
 
 
+def test_the_prefill_kernel_refuses_an_output_it_cannot_write_and_writes_nothing():
+    q, k_cache, v_cache, plan, _, _ = _prefill_case(16, 8, 4, 64, [(0, 5)], torch.float32, 1.0, seed=3)
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out is torch.bfloat16, the caches torch.float32"):
+        cpu_prefill.paged_prefill(q, k_cache, v_cache, plan, 0.125, out)
+    strided = torch.zeros(q.shape[0], q.shape[1], 2 * q.shape[2])[..., ::2]
+    with pytest.raises(ValueError, match="must be contiguous"):
+        cpu_prefill.paged_prefill(q, k_cache, v_cache, plan, 0.125, strided)
+    assert not out.any() and not strided.any()
+
+
 def test_the_prefill_kernel_names_the_sizes_it_does_not_serve(prefill_build):
     lanes = cpu_prefill.vector_lanes()
     assert cpu_prefill.unusable(torch.float32, 64, 8, 4) is None

@@ -79,10 +79,10 @@ def paged_prefill(
     `unusable` for these sizes."""
     tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if out.dtype != k_cache.dtype or not (
-        out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-    ):
-        raise ValueError("out and the caches must be contiguous, out in the caches' dtype")
+    if out.dtype != k_cache.dtype:
+        raise ValueError(f"out is {out.dtype}, the caches {k_cache.dtype}: out must be in the caches' dtype")
+    if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("out, k_cache and v_cache must be contiguous")
     q = query.to(torch.float32).contiguous()  # the kernel adds in float32
     status = kernel(k_cache.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.block_tables.data_ptr(),
