@@ -4,13 +4,13 @@
  * mask tensor).
  *
  * The unit of work is a tile: up to TILE_ROWS query rows (a few consecutive tokens of one chunk, times the
- * query heads of one KV head) against the keys up to the tile's last token. Keys and values come in
- * sub-tiles of LANES tokens, widened to float32 once per tile and shared by all its rows: the keys
- * transposed, so that a row's LANES scores are head_dim broadcast FMAs with no horizontal sums; each
- * row's weighted values are LANES times head_dim / LANES FMAs; the scores of ROW_BLOCK rows are computed
- * together (independent FMA chains, each key vector loaded once). On 8 prompts of 256 tokens with
- * tiny-llama's shapes (1 thread, AMD EPYC) it runs at 43-46 GFLOP/s where torch's
- * scaled_dot_product_attention over the gathered blocks ran at 33-36 (float32 and bfloat16).
+ * query heads of one KV head) against the keys up to the tile's last token, in sub-tiles of LANES tokens
+ * read once per tile and shared by all its rows. The rows' queries are transposed once per tile, so that a
+ * vector of LANES rows scores a key in head_dim broadcast FMAs, a sub-tile's keys being LANES independent
+ * chains, and the online softmax runs lane-wise over rows (no horizontal sums); each row's weighted values
+ * are then head_dim / LANES FMA chains over the keys it sees. On 8 prompts of 256 tokens with tiny-llama's
+ * shapes (1 thread, AMD EPYC) it runs at ... GFLOP/s where torch's scaled_dot_product_attention over the
+ * gathered blocks ran at 33-36 (float32 and bfloat16).
  *
  * Queries are float32 [T, H, D]; the output is the caches' dtype, rounded once (as torch's cast rounds).
  */
@@ -33,106 +33,133 @@ typedef v8i vwi;
 #define PREFILL_MAX_HEAD_DIM 256
 #define TILE_ROWS 64 /* query rows per tile: their accumulators (64 KiB at head_dim 256) stay in L2 */
 
-#define ROW_BLOCK 4 /* rows whose scores are computed together: four FMA chains, each key vector loaded once */
-
-static inline float lane_max(vw v) {
-#if LANES == 16
-    return _mm512_reduce_max_ps((__m512)v);
-#else
-    float m = v[0];
-    for (int j = 1; j < LANES; j++) m = v[j] > m ? v[j] : m;
-    return m;
-#endif
-}
-
-static inline float lane_sum(vw v) {
-#if LANES == 16
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    return hsum(v);
-#endif
-}
-
 /* One tile: `tokens` consecutive tokens of a chunk from absolute position `first_pos`, the `group` query
- * heads of KV head `kv` (rows token-major: row = token * group + g). */
+ * heads of KV head `kv` (rows token-major: row = token * group + g).
+ *
+ * Rows go in vectors of LANES (row vector `rv` holds rows rv * LANES + lane), with their queries
+ * transposed once per tile: a row vector's scores against a key are head_dim FMAs of that key's values
+ * broadcast, and the LANES keys of a sub-tile are LANES independent FMA chains. The softmax's running
+ * maximum and sum are vectors over the rows too, so masking, the maximum and exp are lane-wise with no
+ * horizontal reduction; only the weighted values go row by row. */
 static inline __attribute__((always_inline)) void prefill_tile(
     const float *query, const void *k_cache, const void *v_cache, const int32_t *table, void *out,
     int64_t first_row, int tokens, int first_pos, int kv, int group, int num_heads, int num_kv_heads,
     const int head_dim, int block_size, float scale, const int bf16) {
     const int rows = tokens * group;
+    const int row_vectors = (rows + LANES - 1) / LANES;
     const int nv = head_dim / LANES;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     float acc[TILE_ROWS][PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float row_max[TILE_ROWS], denom[TILE_ROWS];
-    const float *q[TILE_ROWS + ROW_BLOCK];
-    int row_pos[TILE_ROWS + ROW_BLOCK];
-    vw keys_t[PREFILL_MAX_HEAD_DIM]; /* keys_t[d][j]: dim d of key j */
+    vw queries_t[TILE_ROWS / LANES][PREFILL_MAX_HEAD_DIM]; /* [rv][d]: dim d of the rows' queries */
+    vw row_max[TILE_ROWS / LANES], denom[TILE_ROWS / LANES];
+    vwi row_pos[TILE_ROWS / LANES]; /* each row's position; -1 for the padding lanes of the last vector */
+    float keys[LANES][PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
     vw values[LANES][PREFILL_MAX_HEAD_DIM / LANES];
-    for (int r = 0; r < rows + ROW_BLOCK; r++) {
-        const int t = r < rows ? r / group : 0, g = r < rows ? r % group : 0; /* padding rows repeat row 0 */
-        q[r] = query + ((first_row + t) * num_heads + (int64_t)kv * group + g) * head_dim;
-        row_pos[r] = r < rows ? first_pos + t : -1;
-        if (r < rows) {
-            row_max[r] = -INFINITY;
-            denom[r] = 0.0f;
-            memset(acc[r], 0, sizeof(float) * head_dim);
+    float weights[LANES][LANES] __attribute__((aligned(64))); /* [key][lane]: the sub-tile's softmax numerators */
+    const float *query_row[TILE_ROWS];
+    for (int r = 0; r < rows; r++)
+        query_row[r] = query + ((first_row + r / group) * num_heads + (int64_t)kv * group + r % group) * head_dim;
+    for (int rv = 0; rv < row_vectors; rv++) {
+        for (int lane = 0; lane < LANES; lane++) {
+            const int r = rv * LANES + lane;
+            row_pos[rv][lane] = r < rows ? first_pos + r / group : -1;
+            /* A vector of the row's query, then lane by lane: written as one loop over d, GCC made it
+               gathers, slower than the scores themselves. */
+            for (int d = 0; d < nv; d++) {
+                vw x = (vw){};
+                if (r < rows) memcpy(&x, query_row[r] + d * LANES, sizeof x);
+                for (int i = 0; i < LANES; i++) queries_t[rv][d * LANES + i][lane] = x[i];
+            }
         }
+        row_max[rv] = (vw){} - INFINITY;
+        denom[rv] = (vw){};
     }
-    vwi iota;
-    for (int j = 0; j < LANES; j++) iota[j] = j;
+    for (int r = 0; r < row_vectors * LANES; r++) memset(acc[r], 0, sizeof(float) * head_dim);
     const int last_pos = first_pos + tokens - 1;
     for (int start = 0; start <= last_pos; start += LANES) {
         const int n = last_pos - start + 1 < LANES ? last_pos - start + 1 : LANES;
-        /* This sub-tile's keys (transposed) and values, widened; lanes past n are zero. */
+        /* This sub-tile's keys and values, widened; past n, zeros. The keys are copied even from a float32
+           cache: one base address for all of them keeps the score loop's operands out of spilled registers. */
         for (int j = 0; j < LANES; j++) {
             if (j < n) {
                 const int pos = start + j;
                 const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
                 const int64_t at = slot * token_stride + (int64_t)kv * head_dim;
-                for (int d = 0; d < head_dim; d++) keys_t[d][j] = load_any1(k_cache, at + d, bf16);
-                for (int d = 0; d < nv; d++) values[j][d] = (vw)load_anyw(v_cache, at + (int64_t)d * LANES, bf16);
+                for (int d = 0; d < nv; d++) {
+                    const vw x = load_anyw(k_cache, at + (int64_t)d * LANES, bf16);
+                    memcpy(keys[j] + d * LANES, &x, sizeof x);
+                    values[j][d] = (vw)load_anyw(v_cache, at + (int64_t)d * LANES, bf16);
+                }
             } else {
-                for (int d = 0; d < head_dim; d++) keys_t[d][j] = 0.0f;
+                memset(keys[j], 0, sizeof(float) * head_dim);
                 for (int d = 0; d < nv; d++) values[j][d] = (vw){};
             }
         }
         /* A token before this sub-tile's first key sees none of it: rows are token-major, so those are the
-           tile's first rows. */
+           tile's first rows, and whole row vectors of them are skipped. */
         const int first_row_seeing = start > first_pos ? (start - first_pos) * group : 0;
-        for (int r0 = first_row_seeing; r0 < rows; r0 += ROW_BLOCK) {
-            vw s[ROW_BLOCK];
-            for (int b = 0; b < ROW_BLOCK; b++) s[b] = (vw){};
+        for (int rv = first_row_seeing / LANES; rv < row_vectors; rv++) {
+            vw s[LANES];
+            for (int j = 0; j < LANES; j++) s[j] = (vw){};
             for (int d = 0; d < head_dim; d++) {
-                const vw k = keys_t[d];
-                for (int b = 0; b < ROW_BLOCK; b++) s[b] += q[r0 + b][d] * k;
+                const vw q = queries_t[rv][d];
+                for (int j = 0; j < LANES; j++) s[j] += keys[j][d] * q;
             }
-            for (int b = 0; b < ROW_BLOCK && r0 + b < rows; b++) {
-                const int r = r0 + b;
-                const int visible = row_pos[r] - start + 1 < n ? row_pos[r] - start + 1 : n;
-                const vwi keep = iota < visible;
-                const vw scores = (vw)(((vwi)(s[b] * scale) & keep) | ((vwi)((vw){} - INFINITY) & ~keep));
-                const float new_max = fmaxf(row_max[r], lane_max(scores));
-                /* 0 on the first sub-tile; 1 while the row's maximum holds (most sub-tiles) */
-                const float correction = new_max > row_max[r] ? expf(row_max[r] - new_max) : 1.0f;
-                const vw p = (vw)((vwi)exp_w(scores - new_max) & keep);
-                row_max[r] = new_max;
-                denom[r] = denom[r] * correction + lane_sum(p);
-                vw a[PREFILL_MAX_HEAD_DIM / LANES];
+            vw new_max = row_max[rv];
+            vwi keep[LANES];
+            for (int j = 0; j < LANES; j++) {
+                s[j] *= scale; /* after the sum, as torch scales, not folded into the queries */
+                keep[j] = start + j <= row_pos[rv]; /* causal; keys past n are past every row's position */
+                s[j] = (vw)(((vwi)s[j] & keep[j]) | ((vwi)((vw){} - INFINITY) & ~keep[j]));
+                new_max = (vw)(((vwi)s[j] & (s[j] > new_max)) | ((vwi)new_max & ~(s[j] > new_max)));
+            }
+            /* Padding lanes see no key: their maximum stays -inf; 0 keeps their arithmetic finite. */
+            const vwi none = new_max == (vw){} - INFINITY;
+            const vw shift = (vw)((vwi)new_max & ~none);
+            /* 0 on a row's first keys; 1 while its maximum holds (most sub-tiles) */
+            const vw correction = exp_w(row_max[rv] - shift);
+            vw sum = (vw){};
+            for (int j = 0; j < LANES; j++) {
+                const vw p = (vw)((vwi)exp_w(s[j] - shift) & keep[j]);
+                sum += p;
+                memcpy(weights[j], &p, sizeof p);
+            }
+            denom[rv] = denom[rv] * correction + sum;
+            row_max[rv] = new_max;
+            /* Two rows at a time: 2 * head_dim / LANES FMA chains, each value vector loaded once. A row
+               that sees fewer of the keys than the other has weight 0 for the rest. Padding rows (past
+               `rows`, weights 0) are written but never read. */
+            for (int lane = 0; lane < LANES; lane += 2) {
+                const int r = rv * LANES + lane;
+                const int seen0 = row_pos[rv][lane] - start + 1, seen1 = row_pos[rv][lane + 1] - start + 1;
+                const int seen = seen0 > seen1 ? seen0 : seen1;
+                if (seen <= 0) continue; /* neither sees a key here: their maximum, so their correction, held */
+                const int visible = seen < n ? seen : n;
+                vw a0[PREFILL_MAX_HEAD_DIM / LANES], a1[PREFILL_MAX_HEAD_DIM / LANES];
+                const float c0 = correction[lane], c1 = correction[lane + 1];
                 for (int d = 0; d < nv; d++) {
-                    memcpy(&a[d], acc[r] + d * LANES, sizeof a[d]);
-                    a[d] *= correction;
+                    memcpy(&a0[d], acc[r] + d * LANES, sizeof a0[d]);
+                    memcpy(&a1[d], acc[r + 1] + d * LANES, sizeof a1[d]);
+                    if (c0 != 1.0f) a0[d] *= c0;
+                    if (c1 != 1.0f) a1[d] *= c1;
                 }
-                for (int j = 0; j < n; j++) {
-                    const float pj = p[j];
-                    for (int d = 0; d < nv; d++) a[d] += pj * values[j][d];
+                for (int j = 0; j < visible; j++) {
+                    const float p0 = weights[j][lane], p1 = weights[j][lane + 1];
+                    for (int d = 0; d < nv; d++) {
+                        a0[d] += p0 * values[j][d];
+                        a1[d] += p1 * values[j][d];
+                    }
                 }
-                for (int d = 0; d < nv; d++) memcpy(acc[r] + d * LANES, &a[d], sizeof a[d]);
+                for (int d = 0; d < nv; d++) {
+                    memcpy(acc[r] + d * LANES, &a0[d], sizeof a0[d]);
+                    memcpy(acc[r + 1] + d * LANES, &a1[d], sizeof a1[d]);
+                }
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        const float inv = 1.0f / denom[r];
-        const int64_t o = (int64_t)(q[r] - query);
+        const float inv = 1.0f / denom[r / LANES][r % LANES];
+        const int64_t o = (int64_t)(query_row[r] - query);
         for (int d = 0; d < head_dim; d += 8) {
             const v8f x = load8(acc[r] + d) * inv;
             if (bf16)
