@@ -192,8 +192,10 @@ PREFILL_CASES = [
 
 
 @pytest.fixture
-def prefill_build(c_build, monkeypatch):
-    """The prefill kernel of the native build, or of the build without AVX-512 (conftest.py)."""
+def prefill_build(c_build_bf16_paths, monkeypatch):
+    """The prefill kernel of the native build, of the build without AVX-512, or of the wide build without
+    AVX512-BF16 (conftest.py)."""
+    c_build = c_build_bf16_paths
     _use_build(cpu_prefill, c_build, monkeypatch)
     if c_build is not None:
         monkeypatch.setattr(cpu_prefill, "vector_lanes", c_build.flotilla_paged_prefill_lanes)

@@ -68,7 +68,7 @@ class PrefillPlan:
 
 
 def paged_prefill(
-    query: torch.Tensor,  # [T, H, D]: every row of the step (only the chunks' rows are read)
+    query: torch.Tensor,  # [T, H, D] in the caches' dtype (another is cast): every row of the step (only the chunks' rows are read)
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 or bfloat16, contiguous
     v_cache: torch.Tensor,
     plan: PrefillPlan,
@@ -83,7 +83,7 @@ def paged_prefill(
         raise ValueError(f"out is {out.dtype}, the caches {k_cache.dtype}: out must be in the caches' dtype")
     if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("out, k_cache and v_cache must be contiguous")
-    q = query.to(torch.float32).contiguous()  # the kernel adds in float32
+    q = query.to(k_cache.dtype).contiguous()  # read in the caches' dtype (it adds in float32)
     status = kernel(k_cache.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.block_tables.data_ptr(),
         plan.block_tables.stride(0), plan.rows.data_ptr(), plan.lens.data_ptr(), plan.context_lens.data_ptr(),
