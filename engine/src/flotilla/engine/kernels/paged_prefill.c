@@ -46,11 +46,11 @@ typedef v8i vwi;
 /* One tile: `tokens` consecutive tokens of a chunk from absolute position `first_pos`, the `group` query
  * heads of KV head `kv` (rows token-major: row = token * group + g).
  *
- * Rows go in vectors of LANES (row vector `rv` holds rows rv * LANES + lane), with their queries
- * transposed once per tile: a row vector's scores against a key are head_dim FMAs of that key's values
- * broadcast, and the LANES keys of a sub-tile are LANES independent FMA chains. The softmax's running
- * maximum and sum are vectors over the rows too, so masking, the maximum and exp are lane-wise with no
- * horizontal reduction; only the weighted values go row by row. */
+ * Rows go in vectors of LANES (row vector `rv` holds rows rv * LANES + lane), with their queries transposed
+ * once per tile: a row vector's scores against a key are head_dim FMAs, each with one of the key's elements
+ * broadcast, and the LANES keys of a sub-tile are LANES independent FMA chains. The softmax's running maximum
+ * and sum are vectors over the rows too, so masking, the maximum and exp are lane-wise with no horizontal
+ * reduction; only the weighted values go row by row. */
 static inline __attribute__((always_inline)) void prefill_tile(
     const void *query, const void *k_cache, const void *v_cache, const int32_t *table, void *out,
     int64_t first_row, int tokens, int first_pos, int kv, int group, int num_heads, int num_kv_heads,
@@ -59,6 +59,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int row_vectors = (rows + LANES - 1) / LANES;
     const int nv = head_dim / LANES;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    /* Pairs of products where a row's pairs fill whole vectors (head_dim a multiple of 2 * LANES). */
+    const int pairs = PAIRS && bf16 && head_dim % (2 * LANES) == 0;
     float acc[TILE_ROWS][PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
     vw queries_t[TILE_ROWS / LANES][PREFILL_MAX_HEAD_DIM]; /* [rv][d]: dim d of the rows' queries */
     vw row_max[TILE_ROWS / LANES], denom[TILE_ROWS / LANES];
@@ -80,11 +82,11 @@ static inline __attribute__((always_inline)) void prefill_tile(
             /* A vector of the row's query, then lane by lane: written as one loop over d, GCC made it
                gathers, slower than the scores themselves. */
 #if PAIRS
-            if (bf16) {
+            if (pairs) {
                 for (int d = 0; d < nv; d += 2) {
-                    vwi pairs = (vwi){};
-                    if (r < rows) memcpy(&pairs, (const uint16_t *)query + query_row[r] + d * LANES, sizeof pairs);
-                    for (int i = 0; i < LANES; i++) query_pairs[rv][d / 2 * LANES + i][lane] = pairs[i];
+                    vwi packed = (vwi){}; /* 2 * LANES values of the row, as LANES pairs */
+                    if (r < rows) memcpy(&packed, (const uint16_t *)query + query_row[r] + d * LANES, sizeof packed);
+                    for (int i = 0; i < LANES; i++) query_pairs[rv][d / 2 * LANES + i][lane] = packed[i];
                 }
                 continue;
             }
@@ -110,10 +112,10 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
                 const int64_t at = slot * token_stride + (int64_t)kv * head_dim;
 #if PAIRS
-                if (bf16) memcpy(key_pairs[j], (const uint16_t *)k_cache + at, sizeof(uint16_t) * head_dim);
+                if (pairs) memcpy(key_pairs[j], (const uint16_t *)k_cache + at, sizeof(uint16_t) * head_dim);
 #endif
                 for (int d = 0; d < nv; d++) {
-                    if (!(PAIRS && bf16)) {
+                    if (!pairs) {
                         const vw x = load_anyw(k_cache, at + (int64_t)d * LANES, bf16);
                         memcpy(keys[j] + d * LANES, &x, sizeof x);
                     }
@@ -121,9 +123,9 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 }
             } else {
 #if PAIRS
-                if (bf16) memset(key_pairs[j], 0, sizeof(uint16_t) * head_dim);
+                if (pairs) memset(key_pairs[j], 0, sizeof(uint16_t) * head_dim);
 #endif
-                if (!(PAIRS && bf16)) memset(keys[j], 0, sizeof(float) * head_dim);
+                if (!pairs) memset(keys[j], 0, sizeof(float) * head_dim);
                 for (int d = 0; d < nv; d++) values[j][d] = (vw){};
             }
         }
@@ -134,7 +136,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
             vw s[LANES];
             for (int j = 0; j < LANES; j++) s[j] = (vw){};
 #if PAIRS
-            if (bf16) {
+            if (pairs) {
                 for (int i = 0; i < head_dim / 2; i++) {
                     const __m512bh q = (__m512bh)query_pairs[rv][i];
                     for (int j = 0; j < LANES; j++)
