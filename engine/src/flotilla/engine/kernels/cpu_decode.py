@@ -60,19 +60,16 @@ def unusable(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads:
 
 
 def paged_decode(
-    query: torch.Tensor,  # [B, H, D], the caches' dtype (or float32)
+    query: torch.Tensor,  # [B, H, D] in the caches' dtype (another is cast)
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 or bfloat16, contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, >= ceil(max seq_len / block_size)] int32, rows contiguous
     seq_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention of one query token per request. Over bfloat16 caches the wide build (vector_lanes()
-    16) reads the query as bfloat16, exact for a bfloat16 model's queries."""
-    dtype = query.dtype
-    query = query.to(
-        torch.float32
-    ).contiguous()  # a copy of a few KiB for bfloat16: the kernel adds in float32
+    """Decode attention of one query token per request; the output is in the caches' dtype (the kernel
+    adds in float32 and rounds once)."""
+    query = query.to(k_cache.dtype).contiguous()
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cache_dim == head_dim):
@@ -87,13 +84,13 @@ def paged_decode(
         raise ValueError(f"caches must be float32 or bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
     out = torch.empty_like(query)
     if batch == 0:
-        return out.to(dtype)
+        return out
     kernel(k_cache.dtype)(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
     )  # fmt: skip
-    return out.to(dtype)
+    return out
 
 
 @dataclass

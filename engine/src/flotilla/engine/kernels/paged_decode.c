@@ -1,12 +1,12 @@
 /* Paged decode attention on the CPU: one query token per request reads its keys and values straight from
  * the paged cache, block by block, with an online softmax. Caches are float32 or bfloat16 (one function
- * each); queries, outputs and all arithmetic are float32 (a bfloat16 value is the top half of a float32's
- * bits, so widening it is exact). Nothing is gathered into a
+ * each); queries and outputs are in the caches' dtype, all arithmetic in float32 (a bfloat16 value is the
+ * top half of a float32's bits, so widening it is exact). Nothing is gathered into a
  * contiguous copy, so each K/V byte is read once per step; the query heads that share a KV head (GQA) are
  * served by the same pass over it.
  *
  * Layouts (row-major, as flotilla.engine.kernels.attention documents them):
- *   query, out    [B, H, D] float32  (D a multiple of 8, at most MAX_HEAD_DIM)
+ *   query, out    [B, H, D] in the caches' dtype  (D a multiple of 8, at most MAX_HEAD_DIM)
  *   k/v cache     [num_blocks, block_size, KVH, D] float32 or bfloat16
  *   block_tables  [B, table_stride] int32; seq_lens [B] int32 (tokens to attend, >= 1)
  * Work items are a request's KV heads (or one of them, in small batches), shared among OpenMP threads.
@@ -14,8 +14,8 @@
  * this kernel.
  *
  * Two builds of the same loops: on a machine with AVX-512 and its bfloat16 dot products (WIDE), head dims
- * that are multiples of 32 run on 16-float vectors, bfloat16 keys meet the query (rounded to bfloat16:
- * exact for a bfloat16 model's queries) in vdpbf16ps and sixteen tokens' dot products are added at once
+ * that are multiples of 32 run on 16-float vectors, bfloat16 keys meet the (bfloat16) query as stored in
+ * vdpbf16ps and sixteen tokens' dot products are added at once
  * (sum16); elsewhere GCC's generic 8-float vectors, four tokens at a time so four FMA chains run at once.
  * exp is a polynomial on vectors (relative error about 2e-7, like expf's) because a scalar expf per score
  * cost more than the dot products. At 48 requests of 190 tokens the wide build reads the caches at about
@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
 
 /* One query head's scores for the `n` tokens from element `base` on, sixteen tokens at a time (a partial
    last tile repeats its first token, unused), times `scale`, into `row`. A token's dot product is one
-   vector of partial sums: bfloat16 keys meet the query rounded to bfloat16 in `vdpbf16ps` (32 products
+   vector of partial sums: bfloat16 keys meet the bfloat16 query in `vdpbf16ps` (32 products
    a instruction, each exact in float32, no widening), float32 keys in FMAs; sum16 then adds all sixteen
    tokens' vectors at once. */
 static inline __attribute__((always_inline)) void scores_wide(const void *k_cache, int64_t base, int n,
@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) float softmax_block(float *row, int
  * vdpbf16ps for bfloat16 keys and adds sixteen tokens' dot products at once; otherwise 8-float vectors,
  * four tokens at a time so that independent FMA chains run together. */
 static inline __attribute__((always_inline)) void attend_heads(
-    const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int len, float *o,
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int len, void *o,
     int kv_count, const int group, const int head_dim, int block_size, int64_t token_stride, float scale,
     const int bf16, const int wide) {
     const int nv = head_dim / 8;
@@ -144,15 +144,6 @@ static inline __attribute__((always_inline)) void attend_heads(
         denom[h] = 0.0f;
         for (int d = 0; d < head_dim; d++) acc[h][d] = 0.0f;
     }
-#if WIDE
-    /* The wide path's queries in the keys' type: bfloat16 (exact for a bfloat16 model's queries). */
-    uint16_t q16[wide && bf16 ? MAX_GROUP : 1][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    if (wide && bf16)
-        for (int h = 0; h < rows; h++)
-            for (int d = 0; d < head_dim; d += 32)
-                _mm512_storeu_si512(q16[h] + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + h * head_dim + d + 16),
-                                                                             _mm512_loadu_ps(q + h * head_dim + d)));
-#endif
     for (int start = 0; start < len; start += block_size) {
         const int64_t block = table[start / block_size];
         const int n = len - start < block_size ? len - start : block_size;
@@ -174,7 +165,8 @@ static inline __attribute__((always_inline)) void attend_heads(
 #if WIDE
             if (wide) {
                 for (int g = 0; g < group; g++) {
-                    const void *query = bf16 ? (const void *)q16[h0 + g] : (const void *)(q + (h0 + g) * head_dim);
+                    /* The query in the keys' type: bfloat16 keys meet it as stored in vdpbf16ps. */
+                    const void *query = (const char *)q + (int64_t)(h0 + g) * head_dim * elem;
                     scores_wide(k_cache, base, n, token_stride, query, head_dim, scale, scores[h0 + g], bf16);
                     correction[g] = softmax_block(scores[h0 + g], n, &running_max[h0 + g], &denom[h0 + g]);
                 }
@@ -201,7 +193,7 @@ static inline __attribute__((always_inline)) void attend_heads(
 #endif
             v8f qv[MAX_GROUP][MAX_HEAD_DIM / 8];
             for (int g = 0; g < group; g++)
-                for (int d = 0; d < nv; d++) qv[g][d] = load8(q + (int64_t)(h0 + g) * head_dim + 8 * d);
+                for (int d = 0; d < nv; d++) qv[g][d] = load_any8(q, (int64_t)(h0 + g) * head_dim + 8 * d, bf16);
             /* Scores, four tokens at a time (a partial last tile repeats its first token, unused). */
             for (int t = 0; t < n; t += 4) {
                 const int64_t k0 = base + (int64_t)t * token_stride;
@@ -248,7 +240,13 @@ static inline __attribute__((always_inline)) void attend_heads(
     }
     for (int h = 0; h < rows; h++) {
         const v8f inv = splat(1.0f / denom[h]);
-        for (int d = 0; d < nv; d++) store8(o + (int64_t)h * head_dim + 8 * d, load8(acc[h] + 8 * d) * inv);
+        for (int d = 0; d < nv; d++) {
+            const v8f x = load8(acc[h] + 8 * d) * inv;
+            if (bf16)
+                store_bf16x8((uint16_t *)o + (int64_t)h * head_dim + 8 * d, x); /* rounded once, as torch's cast */
+            else
+                store8((float *)o + (int64_t)h * head_dim + 8 * d, x);
+        }
     }
 }
 
@@ -265,7 +263,7 @@ static inline __attribute__((always_inline)) void attend_heads(
     default: ATTEND(group, DIM, WIDE_PATH); return;                                                            \
     }
 static inline __attribute__((always_inline)) void attend_heads_sized(
-    const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int len, float *o,
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int len, void *o,
     int kv_count, int group, int head_dim, int block_size, int64_t token_stride, float scale, const int bf16) {
     switch (head_dim) {
     case 64: ATTEND_GROUPS(64, WIDE)
@@ -279,8 +277,8 @@ static inline __attribute__((always_inline)) void attend_heads_sized(
 /* Both entry points: returns 0, or -1 when a size is past what this build handles (the caller checks
  * first). `bf16` is a constant in each, so each gets its own copy of the loops. */
 static inline __attribute__((always_inline)) int paged_decode(
-    const float *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-    int64_t table_stride, const int32_t *seq_lens, float *out, int32_t num_requests, int32_t num_heads,
+    const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+    int64_t table_stride, const int32_t *seq_lens, void *out, int32_t num_requests, int32_t num_heads,
     int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale, int32_t num_threads, const int bf16) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK ||
@@ -301,9 +299,10 @@ static inline __attribute__((always_inline)) int paged_decode(
             const int count = num_kv_heads - first < chunk ? num_kv_heads - first : chunk;
             const int64_t first_head = (int64_t)r * num_heads + (int64_t)first * group;
             const int64_t head_offset = (int64_t)first * head_dim * elem; /* bytes */
-            attend_heads_sized(query + first_head * head_dim, (const char *)k_cache + head_offset,
+            const int64_t row_offset = first_head * head_dim * elem; /* bytes, in the query and the output */
+            attend_heads_sized((const char *)query + row_offset, (const char *)k_cache + head_offset,
                          (const char *)v_cache + head_offset, block_tables + (int64_t)r * table_stride, seq_lens[r],
-                         out + first_head * head_dim, count, group, head_dim, block_size, token_stride, scale, bf16);
+                         (char *)out + row_offset, count, group, head_dim, block_size, token_stride, scale, bf16);
         }
     }
     return 0;
@@ -321,9 +320,9 @@ int flotilla_paged_decode_f32(const float *query, const float *k_cache, const fl
                         num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, 0);
 }
 
-int flotilla_paged_decode_bf16(const float *query, const uint16_t *k_cache, const uint16_t *v_cache,
+int flotilla_paged_decode_bf16(const uint16_t *query, const uint16_t *k_cache, const uint16_t *v_cache,
                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                               float *out, int32_t num_requests, int32_t num_heads, int32_t num_kv_heads,
+                               uint16_t *out, int32_t num_requests, int32_t num_heads, int32_t num_kv_heads,
                                int32_t head_dim, int32_t block_size, float scale, int32_t num_threads) {
     return paged_decode(query, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_requests,
                         num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, 1);
