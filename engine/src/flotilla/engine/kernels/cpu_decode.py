@@ -12,7 +12,7 @@ import torch
 from flotilla.engine.kernels import c_library, cpu_prefill, fused
 from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend, block_table_rows
 
-# The kernel's entry point per cache dtype: queries and outputs are float32 in both.
+# The kernel's entry point per cache dtype: queries and outputs are in that dtype too.
 SYMBOLS = {torch.float32: "flotilla_paged_decode_f32", torch.bfloat16: "flotilla_paged_decode_bf16"}
 # paged_decode.c's MAX_HEAD_DIM, MAX_GROUP and MAX_BLOCK.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 16, 64
