@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flotilla.engine.kernels import attention, c_library, cpu_decode, cpu_prefill
+from flotilla.engine.kernels import attention, c_library, cpu_attention, cpu_decode, cpu_prefill
 
 
 def random_paged(seq_lens, num_kv_heads, head_dim, block_size, seed=0):
@@ -296,7 +296,7 @@ def test_the_cpu_backend_matches_the_torch_backend_over_a_mixed_step(head_dim):
     q = torch.randn(5, heads, head_dim)
     ref = attention.TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.125)
     meta.backend_cache.clear()
-    got = cpu_decode.CpuAttentionBackend().attend(q, k_cache, v_cache, meta, 0.125)
+    got = cpu_attention.CpuAttentionBackend().attend(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 

@@ -196,7 +196,7 @@ class _StepPlan:
 
 class TorchAttentionBackend:
     """Decode in length groups over gathered blocks, each prefill chunk over its gathered blocks: the
-    reference, and the CPU path where the compiled decode kernel (CpuAttentionBackend) is not used."""
+    reference, and the CPU path where the compiled kernels (cpu_attention.CpuAttentionBackend) do not serve."""
 
     name = "torch"
 

@@ -1,16 +1,14 @@
 """The CPU's paged decode kernel (paged_decode.c, float32 and bfloat16 caches) called on torch tensors'
-memory, and the attention backend that uses it. The library is built and loaded by c_library.py."""
+memory (cpu_attention.py's backend uses it). The library is built and loaded by c_library.py."""
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
-from flotilla.engine.kernels import c_library, cpu_prefill, fused
-from flotilla.engine.kernels.attention import AttentionMetadata, TorchAttentionBackend, block_table_rows
+from flotilla.engine.kernels import c_library
 
 # The kernel's entry point per cache dtype: queries and outputs are in that dtype too.
 SYMBOLS = {torch.float32: "flotilla_paged_decode_f32", torch.bfloat16: "flotilla_paged_decode_bf16"}
@@ -91,63 +89,3 @@ def paged_decode(
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
     )  # fmt: skip
     return out
-
-
-@dataclass
-class CpuDecodePlan:
-    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
-    seq_lens: torch.Tensor  # [B] int32
-
-
-@dataclass
-class CpuPrefillPlan:
-    kernel: cpu_prefill.PrefillPlan
-    meta: AttentionMetadata  # for the torch path's chunks, where the prefill kernel does not serve
-    block_size: int
-    torch_chunks: object | None = None  # those chunks, planned by the first layer that needs them
-
-
-class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decode and prefill through the compiled kernels (float32 and bfloat16 caches;
-    a chunk of several new tokens, a prompt's or speculative verification's, goes to the prefill kernel
-    where its sizes allow, to the torch path elsewhere), and RoPE fused with the KV store
-    (fused.rope_and_store)."""
-
-    name = "cpu"
-
-    def plan_prefills(self, meta: AttentionMetadata, block_size: int) -> object:
-        requests = meta.prefill_requests
-        kernel_plan = cpu_prefill.PrefillPlan.of(
-            block_table_rows(meta.block_tables, requests),
-            [meta.query_start[r] for r in requests],
-            [meta.query_start[r + 1] - meta.query_start[r] for r in requests],
-            [meta.context_lens[r] for r in requests],
-        )
-        return CpuPrefillPlan(kernel_plan, meta, block_size)
-
-    def prefill(self, query, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:
-        assert isinstance(plan, CpuPrefillPlan)
-        _, num_heads, head_dim = query.shape
-        if (
-            cpu_prefill.unusable(k_cache.dtype, head_dim, num_heads, k_cache.shape[2])
-            or out.dtype != k_cache.dtype
-        ):
-            if plan.torch_chunks is None:
-                plan.torch_chunks = super().plan_prefills(plan.meta, plan.block_size)
-            super().prefill(query, k_cache, v_cache, plan.torch_chunks, scale, out)
-            return
-        cpu_prefill.paged_prefill(query, k_cache, v_cache, plan.kernel, scale, out)
-
-    def plan_decode(self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> object:
-        return CpuDecodePlan(
-            block_tables.to(torch.int32).contiguous(), torch.tensor(seq_lens, dtype=torch.int32)
-        )
-
-    def rotate_and_store(self, qkv, rotation, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int):
-        return fused.rope_and_store(
-            qkv, rotation, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads
-        )
-
-    def decode(self, query, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
-        assert isinstance(plan, CpuDecodePlan)
-        return paged_decode(query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale)

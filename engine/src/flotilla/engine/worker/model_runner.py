@@ -15,7 +15,7 @@ from flotilla.engine.core.lora_slots import NO_SLOT
 from flotilla.engine.core.outputs import ModelInfo, SampledLogprob
 from flotilla.engine.core.resolved import Resolved
 from flotilla.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from flotilla.engine.kernels import cpu_decode
+from flotilla.engine.kernels import cpu_attention, cpu_decode
 from flotilla.engine.kernels.attention import TorchAttentionBackend
 from flotilla.engine.kernels.linear import pack_for_cpu
 from flotilla.engine.kernels.lora import Segment
@@ -50,7 +50,7 @@ def pick_backend(
             filter(None, (cpu_decode.unusable(device, dtype, *heads(m), block_size) for m in models)), None
         )
         if reason is None:
-            return cpu_decode.CpuAttentionBackend()
+            return cpu_attention.CpuAttentionBackend()
         if name == "cpu":
             raise ValueError(f"--attention-backend cpu: {reason}")
         log.info("attention backend torch: the cpu kernel does not serve here (%s)", reason)
