@@ -66,10 +66,10 @@ static inline __attribute__((always_inline)) void prefill_tile(
     vw row_max[TILE_ROWS / LANES], denom[TILE_ROWS / LANES];
     vwi row_pos[TILE_ROWS / LANES]; /* each row's position; -1 for the padding lanes of the last vector */
     float keys[LANES][PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
-#if PAIRS
-    vwi query_pairs[TILE_ROWS / LANES][PREFILL_MAX_HEAD_DIM / 2]; /* [rv][i]: dims 2i, 2i+1 of the rows' queries */
-    uint32_t key_pairs[LANES][PREFILL_MAX_HEAD_DIM / 2] __attribute__((aligned(64))); /* the keys as stored */
-#endif
+    /* The pairs path's (read only where PAIRS): [rv][i], dims 2i and 2i+1 of the rows' queries; the keys
+       as stored. */
+    vwi query_pairs[TILE_ROWS / LANES][PREFILL_MAX_HEAD_DIM / 2] __attribute__((unused));
+    uint32_t key_pairs[LANES][PREFILL_MAX_HEAD_DIM / 2] __attribute__((aligned(64)));
     vw values[LANES][PREFILL_MAX_HEAD_DIM / LANES];
     float weights[LANES][LANES] __attribute__((aligned(64))); /* [key][lane]: the sub-tile's softmax numerators */
     int64_t query_row[TILE_ROWS]; /* where each row starts in the query (and the output) */
@@ -81,7 +81,6 @@ static inline __attribute__((always_inline)) void prefill_tile(
             row_pos[rv][lane] = r < rows ? first_pos + r / group : -1;
             /* A vector of the row's query, then lane by lane: written as one loop over d, GCC made it
                gathers, slower than the scores themselves. */
-#if PAIRS
             if (pairs) {
                 for (int d = 0; d < nv; d += 2) {
                     vwi packed = (vwi){}; /* 2 * LANES values of the row, as LANES pairs */
@@ -90,7 +89,6 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 }
                 continue;
             }
-#endif
             for (int d = 0; d < nv; d++) {
                 vw x = (vw){};
                 if (r < rows) x = load_anyw(query, query_row[r] + d * LANES, bf16);
@@ -111,21 +109,19 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 const int pos = start + j;
                 const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
                 const int64_t at = slot * token_stride + (int64_t)kv * head_dim;
-#if PAIRS
-                if (pairs) memcpy(key_pairs[j], (const uint16_t *)k_cache + at, sizeof(uint16_t) * head_dim);
-#endif
-                for (int d = 0; d < nv; d++) {
-                    if (!pairs) {
+                if (pairs)
+                    memcpy(key_pairs[j], (const uint16_t *)k_cache + at, sizeof(uint16_t) * head_dim);
+                else
+                    for (int d = 0; d < nv; d++) {
                         const vw x = load_anyw(k_cache, at + (int64_t)d * LANES, bf16);
                         memcpy(keys[j] + d * LANES, &x, sizeof x);
                     }
-                    values[j][d] = (vw)load_anyw(v_cache, at + (int64_t)d * LANES, bf16);
-                }
+                for (int d = 0; d < nv; d++) values[j][d] = (vw)load_anyw(v_cache, at + (int64_t)d * LANES, bf16);
             } else {
-#if PAIRS
-                if (pairs) memset(key_pairs[j], 0, sizeof(uint16_t) * head_dim);
-#endif
-                if (!pairs) memset(keys[j], 0, sizeof(float) * head_dim);
+                if (pairs)
+                    memset(key_pairs[j], 0, sizeof(uint16_t) * head_dim);
+                else
+                    memset(keys[j], 0, sizeof(float) * head_dim);
                 for (int d = 0; d < nv; d++) values[j][d] = (vw){};
             }
         }
