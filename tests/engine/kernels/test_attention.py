@@ -87,6 +87,8 @@ CPU_KERNEL_CASES = [
     (1, 2, 2, 8, [1, 7]),
     (16, 6, 2, 96, [50, 16, 1]),  # the wide path with a head_dim it has no constant copy for
     (16, 4, 4, 80, [23, 40]),  # a multiple of 16, not of 32: the narrow path everywhere
+    # Enough requests that work items are whole requests, each prefetching the next one's first blocks.
+    (16, 8, 4, 64, [1, 17, 40, 3, 16, 33, 64, 2, 5, 90, 31, 7]),
 ]
 
 
