@@ -1,11 +1,13 @@
 /* The CPU's fused elementwise ops, float32 or bfloat16 tensors, arithmetic in float32 with the same
  * roundings as the torch code they replace (model/llama.py's RMSNorm and MLP), in one pass over memory
- * instead of five or six, each of which in bfloat16 also widened and rounded its operands.
+ * instead of five or six, each of which in bfloat16 also widened and rounded its operands; and greedy
+ * sampling's argmax.
  *
  *   rms_norm:      out = w * dtype(x * rsqrt(mean(x^2) + eps))       (x [rows, d]; w [d])
  *   add_rms_norm:  residual = dtype(x + residual), then rms_norm of it into out
  *   silu_and_mul:  out = dtype(dtype(silu(gate)) * up)               (gate_up [rows, 2i], out [rows, i])
  *   rope_store:    rotary embeddings on a qkv projection's queries and keys, keys and values into the KV cache
+ *   argmax_rows:   each row's first maximum, for greedy sampling (float32)
  * Rows are shared among OpenMP threads (torch's pool, as for the decode kernel).
  */
 #include "vectors.h"
@@ -194,4 +196,59 @@ void flotilla_rope_store_bf16(uint16_t *q_out, uint16_t *k_cache, uint16_t *v_ca
                               int64_t tokens, int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t threads) {
     rope_store_rows(q_out, k_cache, v_cache, qkv, qkv_stride, cos, sin, slots, tokens, heads, kv_heads, head_dim,
                     threads, 1);
+}
+
+/* Whether any lane of a comparison's mask is set. */
+static inline int any8(v8i mask) {
+    uint64_t words[4];
+    memcpy(words, &mask, sizeof words);
+    return (words[0] | words[1] | words[2] | words[3]) != 0;
+}
+
+/* The index of each row's first maximum, as torch's max(dim=-1).indices gives it (a NaN counts as the
+ * maximum: the first NaN's index), for greedy sampling. torch's reduction with indices took 0.35 ms over
+ * [48, 8192] float32 logits on one core; here one pass keeps each lane's maximum and where it first was. */
+void flotilla_argmax_rows_f32(int64_t *out, const float *x, int64_t rows, int64_t cols, int32_t threads) {
+    const int64_t body = cols & ~(int64_t)7;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        v8f top = splat(-INFINITY);
+        v8i where = {0, 1, 2, 3, 4, 5, 6, 7}, index = where, nan = {0};
+        for (int64_t i = 0; i < body; i += 8, index += 8) {
+            const v8f v = load8(row + i);
+            const v8i greater = v > top; /* strictly: a lane keeps its first maximum */
+            nan |= v != v;
+            top = (v8f)(((v8i)v & greater) | ((v8i)top & ~greater));
+            where = (index & greater) | (where & ~greater);
+        }
+        /* Lanes hold indices of their own residue mod 8, so the earliest of the lanes that hold the
+           maximum is the first maximum of the vectors; then the tail. An all -inf row keeps index 0. */
+        float best = -INFINITY;
+        int64_t first = 0;
+        for (int j = 0; j < 8 && body; j++)
+            if (top[j] > best || (top[j] == best && where[j] < first)) {
+                best = top[j];
+                first = where[j];
+            }
+        for (int64_t i = body; i < cols; i++)
+            if (row[i] > best) {
+                best = row[i];
+                first = i;
+            }
+        if (any8(nan)) { /* rare: the first NaN, found again */
+            for (int64_t i = 0; i < body; i++)
+                if (row[i] != row[i]) {
+                    first = i;
+                    break;
+                }
+        } else {
+            for (int64_t i = body; i < cols; i++)
+                if (row[i] != row[i]) {
+                    first = i;
+                    break;
+                }
+        }
+        out[r] = first;
+    }
 }
