@@ -38,43 +38,49 @@ static inline __attribute__((always_inline)) void store_x1(void *p, int64_t i, f
     ((uint16_t *)p)[i] = tmp[0];
 }
 
+/* One row of rms_norm_rows. */
+static inline __attribute__((always_inline)) void rms_norm_row(void *out, const void *x, void *residual,
+                                                               const void *w, int64_t r, int64_t d, float eps,
+                                                               const int bf16) {
+    const int64_t body = d & ~(int64_t)7;
+    const int64_t row = r * d;
+    v8f squares = splat(0.0f);
+    float tail = 0.0f;
+    /* With a residual: residual = dtype(x + residual) first, and the norm is of that sum. */
+    for (int64_t i = 0; i < body; i += 8) {
+        v8f v = load_any8(x, row + i, bf16);
+        if (residual) {
+            v = round8(v + load_any8(residual, row + i, bf16), bf16);
+            store_x8(residual, row + i, v, bf16);
+        }
+        squares += v * v;
+    }
+    for (int64_t i = body; i < d; i++) {
+        float v = load_any1(x, row + i, bf16);
+        if (residual) {
+            v = round1(v + load_any1(residual, row + i, bf16), bf16);
+            store_x1(residual, row + i, v, bf16);
+        }
+        tail += v * v;
+    }
+    const void *src = residual ? residual : x;
+    const float scale = 1.0f / sqrtf((hsum(squares) + tail) / (float)d + eps);
+    for (int64_t i = 0; i < body; i += 8) {
+        const v8f normed = round8(load_any8(src, row + i, bf16) * splat(scale), bf16);
+        store_x8(out, row + i, load_any8(w, i, bf16) * normed, bf16);
+    }
+    for (int64_t i = body; i < d; i++) {
+        const float normed = round1(load_any1(src, row + i, bf16) * scale, bf16);
+        store_x1(out, row + i, load_any1(w, i, bf16) * normed, bf16);
+    }
+}
+
+/* The rows among OpenMP threads, the dtype a constant in each parallel loop (PARALLEL_BY_DTYPE). */
 static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const void *x, void *residual,
                                                                 const void *w, int64_t rows, int64_t d,
                                                                 float eps, int32_t threads, const int bf16) {
-    const int64_t body = d & ~(int64_t)7;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t row = r * d;
-        v8f squares = splat(0.0f);
-        float tail = 0.0f;
-        /* With a residual: residual = dtype(x + residual) first, and the norm is of that sum. */
-        for (int64_t i = 0; i < body; i += 8) {
-            v8f v = load_any8(x, row + i, bf16);
-            if (residual) {
-                v = round8(v + load_any8(residual, row + i, bf16), bf16);
-                store_x8(residual, row + i, v, bf16);
-            }
-            squares += v * v;
-        }
-        for (int64_t i = body; i < d; i++) {
-            float v = load_any1(x, row + i, bf16);
-            if (residual) {
-                v = round1(v + load_any1(residual, row + i, bf16), bf16);
-                store_x1(residual, row + i, v, bf16);
-            }
-            tail += v * v;
-        }
-        const void *src = residual ? residual : x;
-        const float scale = 1.0f / sqrtf((hsum(squares) + tail) / (float)d + eps);
-        for (int64_t i = 0; i < body; i += 8) {
-            const v8f normed = round8(load_any8(src, row + i, bf16) * splat(scale), bf16);
-            store_x8(out, row + i, load_any8(w, i, bf16) * normed, bf16);
-        }
-        for (int64_t i = body; i < d; i++) {
-            const float normed = round1(load_any1(src, row + i, bf16) * scale, bf16);
-            store_x1(out, row + i, load_any1(w, i, bf16) * normed, bf16);
-        }
-    }
+    PARALLEL_BY_DTYPE(bf16, schedule(static) num_threads(threads), int64_t r = 0; r < rows; r++,
+                      rms_norm_row(out, x, residual, w, r, d, eps, BF16));
 }
 
 void flotilla_rms_norm_f32(float *out, const float *x, float *residual, const float *w, int64_t rows, int64_t d,
@@ -102,40 +108,39 @@ DEFINE_SILU(silu8, v8f, v8i, exp_nonpositive)
 DEFINE_SILU(silu16, v16f, v16i, exp_nonpositive16)
 #endif
 
-static inline __attribute__((always_inline)) void silu_and_mul_rows(void *out, const void *gate_up, int64_t rows,
-                                                                    int64_t inner, int32_t threads, const int bf16) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t in = r * 2 * inner, o = r * inner;
-        int64_t i = 0;
+static inline __attribute__((always_inline)) void silu_and_mul_row(void *out, const void *gate_up, int64_t r,
+                                                                   int64_t inner, const int bf16) {
+    const int64_t in = r * 2 * inner, o = r * inner;
+    int64_t i = 0;
 #if defined(__AVX512F__)
-        for (; i + 16 <= inner; i += 16) {
-            const v16f gate = silu16(load_any16(gate_up, in + i, bf16));
-            const v16f product = (bf16 ? round_bf16x16(gate) : gate) * load_any16(gate_up, in + inner + i, bf16);
-            if (bf16)
-                store_bf16x16((uint16_t *)out + o + i, product);
-            else
-                _mm512_storeu_ps((float *)out + o + i, (__m512)product);
-        }
+    for (; i + 16 <= inner; i += 16) {
+        const v16f gate = silu16(load_any16(gate_up, in + i, bf16));
+        const v16f product = (bf16 ? round_bf16x16(gate) : gate) * load_any16(gate_up, in + inner + i, bf16);
+        if (bf16)
+            store_bf16x16((uint16_t *)out + o + i, product);
+        else
+            _mm512_storeu_ps((float *)out + o + i, (__m512)product);
+    }
 #endif
-        for (; i + 8 <= inner; i += 8) {
-            const v8f activated = round8(silu8(load_any8(gate_up, in + i, bf16)), bf16);
-            store_x8(out, o + i, activated * load_any8(gate_up, in + inner + i, bf16), bf16);
-        }
-        for (; i < inner; i++) {
-            const float activated = round1(silu8(splat(load_any1(gate_up, in + i, bf16)))[0], bf16);
-            store_x1(out, o + i, activated * load_any1(gate_up, in + inner + i, bf16), bf16);
-        }
+    for (; i + 8 <= inner; i += 8) {
+        const v8f activated = round8(silu8(load_any8(gate_up, in + i, bf16)), bf16);
+        store_x8(out, o + i, activated * load_any8(gate_up, in + inner + i, bf16), bf16);
+    }
+    for (; i < inner; i++) {
+        const float activated = round1(silu8(splat(load_any1(gate_up, in + i, bf16)))[0], bf16);
+        store_x1(out, o + i, activated * load_any1(gate_up, in + inner + i, bf16), bf16);
     }
 }
 
 void flotilla_silu_and_mul_f32(float *out, const float *gate_up, int64_t rows, int64_t inner, int32_t threads) {
-    silu_and_mul_rows(out, gate_up, rows, inner, threads, 0);
+    PARALLEL_BY_DTYPE(0, schedule(static) num_threads(threads), int64_t r = 0; r < rows; r++,
+                      silu_and_mul_row(out, gate_up, r, inner, BF16));
 }
 
 void flotilla_silu_and_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t rows, int64_t inner,
                                 int32_t threads) {
-    silu_and_mul_rows(out, gate_up, rows, inner, threads, 1);
+    PARALLEL_BY_DTYPE(1, schedule(static) num_threads(threads), int64_t r = 0; r < rows; r++,
+                      silu_and_mul_row(out, gate_up, r, inner, BF16));
 }
 
 /* x * c + rotate_half(x) * s for one head's two halves (x1 = x[:half], x2 = x[half:]), rounded as torch's
@@ -154,34 +159,41 @@ static inline __attribute__((always_inline)) v8f rope_half(v8f x, v8f c, v8f oth
  *   k_cache, v_cache [slots, kv_heads, head_dim]: the rotated keys and the values at slots[t]
  * One pass instead of torch's five ops for the rotation, a split and two index copies. head_dim a multiple of
  * 16 (the caller checks). Tokens are shared among OpenMP threads. */
+/* One token of rope_store_rows. */
+static inline __attribute__((always_inline)) void rope_store_row(
+    void *q_out, void *k_cache, void *v_cache, const void *qkv, int64_t qkv_stride, const void *cos,
+    const void *sin, const int64_t *slots, int64_t t, int32_t heads, int32_t kv_heads, int32_t head_dim,
+    const int bf16) {
+    const int half = head_dim / 2;
+    const int elem = bf16 ? 2 : 4;
+    const int64_t kv_row = (int64_t)kv_heads * head_dim;
+    const int64_t row = t * qkv_stride, angles = t * head_dim;
+    for (int h = 0; h < heads + kv_heads; h++) {
+        const int64_t src = row + (int64_t)h * head_dim;
+        void *dst = h < heads ? q_out : k_cache;
+        const int64_t at = h < heads ? (t * heads + h) * head_dim : slots[t] * kv_row + (int64_t)(h - heads) * head_dim;
+        for (int i = 0; i < half; i += 8) {
+            const v8f x1 = load_any8(qkv, src + i, bf16), x2 = load_any8(qkv, src + half + i, bf16);
+            store_x8(dst, at + i,
+                     rope_half(x1, load_any8(cos, angles + i, bf16), -x2, load_any8(sin, angles + i, bf16), bf16),
+                     bf16);
+            store_x8(dst, at + half + i,
+                     rope_half(x2, load_any8(cos, angles + half + i, bf16), x1,
+                               load_any8(sin, angles + half + i, bf16), bf16),
+                     bf16);
+        }
+    }
+    memcpy((char *)v_cache + slots[t] * kv_row * elem,
+           (const char *)qkv + (row + (int64_t)(heads + kv_heads) * head_dim) * elem, (size_t)(kv_row * elem));
+}
+
 static inline __attribute__((always_inline)) void rope_store_rows(
     void *q_out, void *k_cache, void *v_cache, const void *qkv, int64_t qkv_stride, const void *cos,
     const void *sin, const int64_t *slots, int64_t tokens, int32_t heads, int32_t kv_heads, int32_t head_dim,
     int32_t threads, const int bf16) {
-    const int half = head_dim / 2;
-    const int elem = bf16 ? 2 : 4;
-    const int64_t kv_row = (int64_t)kv_heads * head_dim;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t row = t * qkv_stride, angles = t * head_dim;
-        for (int h = 0; h < heads + kv_heads; h++) {
-            const int64_t src = row + (int64_t)h * head_dim;
-            void *dst = h < heads ? q_out : k_cache;
-            const int64_t at = h < heads ? (t * heads + h) * head_dim : slots[t] * kv_row + (int64_t)(h - heads) * head_dim;
-            for (int i = 0; i < half; i += 8) {
-                const v8f x1 = load_any8(qkv, src + i, bf16), x2 = load_any8(qkv, src + half + i, bf16);
-                store_x8(dst, at + i,
-                         rope_half(x1, load_any8(cos, angles + i, bf16), -x2, load_any8(sin, angles + i, bf16), bf16),
-                         bf16);
-                store_x8(dst, at + half + i,
-                         rope_half(x2, load_any8(cos, angles + half + i, bf16), x1,
-                                   load_any8(sin, angles + half + i, bf16), bf16),
-                         bf16);
-            }
-        }
-        memcpy((char *)v_cache + slots[t] * kv_row * elem,
-               (const char *)qkv + (row + (int64_t)(heads + kv_heads) * head_dim) * elem, (size_t)(kv_row * elem));
-    }
+    PARALLEL_BY_DTYPE(bf16, schedule(static) num_threads(threads), int64_t t = 0; t < tokens; t++,
+                      rope_store_row(q_out, k_cache, v_cache, qkv, qkv_stride, cos, sin, slots, t, heads, kv_heads,
+                                     head_dim, BF16));
 }
 
 void flotilla_rope_store_f32(float *q_out, float *k_cache, float *v_cache, const float *qkv, int64_t qkv_stride,

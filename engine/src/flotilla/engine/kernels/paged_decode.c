@@ -311,6 +311,31 @@ static inline __attribute__((always_inline)) void attend_heads_sized(
     }
 }
 
+/* Work item (r, c) of paged_decode: request r's c-th chunk of KV heads. */
+static inline __attribute__((always_inline)) void attend_item(
+    const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens, void *out, int r, int c, int chunk, int chunks, int32_t num_requests,
+    int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale, int32_t num_threads,
+    const int bf16) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int elem = bf16 ? 2 : 4;
+    const int first = c * chunk;
+    const int count = num_kv_heads - first < chunk ? num_kv_heads - first : chunk;
+    const int64_t first_head = (int64_t)r * num_heads + (int64_t)first * group;
+    const int64_t head_offset = (int64_t)first * head_dim * elem; /* bytes */
+    const int64_t row_offset = first_head * head_dim * elem; /* bytes, in the query and the output */
+    /* The request this thread likely takes next, whose first blocks this one prefetches (whole
+       requests only: then both read the caches from the same first KV head). */
+    const int next = r + num_threads;
+    const int32_t *next_table =
+        chunks == 1 && next < num_requests ? block_tables + (int64_t)next * table_stride : 0;
+    attend_heads_sized((const char *)query + row_offset, (const char *)k_cache + head_offset,
+                       (const char *)v_cache + head_offset, block_tables + (int64_t)r * table_stride,
+                       seq_lens[r], next_table, next_table ? seq_lens[next] : 0, (char *)out + row_offset,
+                       count, group, head_dim, block_size, token_stride, scale, bf16);
+}
+
 /* Both entry points: returns 0, or -1 when a size is past what this build handles (the caller checks
  * first). `bf16` is a constant in each, so each gets its own copy of the loops. */
 static inline __attribute__((always_inline)) int paged_decode(
@@ -321,33 +346,17 @@ static inline __attribute__((always_inline)) int paged_decode(
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK ||
         num_heads % num_kv_heads)
         return -1;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     /* Work items: a request's KV heads in chunks of up to MAX_GROUP query heads, or one KV head each when
        there are too few requests to keep every thread busy. */
     int chunk = 1;
     if (num_requests >= 4 * num_threads) chunk = MAX_GROUP / group < num_kv_heads ? MAX_GROUP / group : num_kv_heads;
     const int chunks = (num_kv_heads + chunk - 1) / chunk;
-    const int elem = bf16 ? 2 : 4;
-
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-    for (int r = 0; r < num_requests; r++) {
-        for (int c = 0; c < chunks; c++) {
-            const int first = c * chunk;
-            const int count = num_kv_heads - first < chunk ? num_kv_heads - first : chunk;
-            const int64_t first_head = (int64_t)r * num_heads + (int64_t)first * group;
-            const int64_t head_offset = (int64_t)first * head_dim * elem; /* bytes */
-            const int64_t row_offset = first_head * head_dim * elem; /* bytes, in the query and the output */
-            /* The request this thread likely takes next, whose first blocks this one prefetches (whole
-               requests only: then both read the caches from the same first KV head). */
-            const int next = r + num_threads;
-            const int32_t *next_table =
-                chunks == 1 && next < num_requests ? block_tables + (int64_t)next * table_stride : 0;
-            attend_heads_sized((const char *)query + row_offset, (const char *)k_cache + head_offset,
-                               (const char *)v_cache + head_offset, block_tables + (int64_t)r * table_stride,
-                               seq_lens[r], next_table, next_table ? seq_lens[next] : 0, (char *)out + row_offset,
-                               count, group, head_dim, block_size, token_stride, scale, bf16);
-        }
-    }
+    PARALLEL_BY_DTYPE(bf16, collapse(2) schedule(dynamic, 1) num_threads(num_threads),
+                      int r = 0; r < num_requests; r++,
+                      for (int c = 0; c < chunks; c++)
+                          attend_item(query, k_cache, v_cache, block_tables, table_stride, seq_lens, out, r, c, chunk,
+                                      chunks, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                      num_threads, BF16));
     return 0;
 }
 

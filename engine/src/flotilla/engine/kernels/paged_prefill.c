@@ -209,6 +209,40 @@ static inline __attribute__((always_inline)) void prefill_tile(
     }
 }
 
+/* Work item `item` of paged_prefill: (chunk, token tile, KV head), numbered through a prefix sum of each
+ * chunk's tiles. */
+static inline __attribute__((always_inline)) void prefill_item(
+    const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+    const int32_t *chunk_rows, const int32_t *chunk_lens, const int32_t *context_lens, void *out, int64_t item,
+    int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale, const int bf16) {
+    const int group = num_heads / num_kv_heads;
+    const int tile_tokens = TILE_ROWS / group;
+    /* The item's chunk and tile: a walk over the chunks' tile counts (a step has a few chunks). */
+    int64_t index = item / num_kv_heads;
+    const int kv = (int)(item % num_kv_heads);
+    int c = 0;
+    for (;; c++) {
+        const int64_t tiles = (chunk_lens[c] + tile_tokens - 1) / tile_tokens;
+        if (index < tiles) break;
+        index -= tiles;
+    }
+    const int first = (int)index * tile_tokens;
+    const int tokens = chunk_lens[c] - first < tile_tokens ? chunk_lens[c] - first : tile_tokens;
+    const int32_t *table = block_tables + (int64_t)c * table_stride;
+    const int64_t row = (int64_t)chunk_rows[c] + first;
+    const int pos = context_lens[c] + first;
+#define TILE(DIM)                                                                                              \
+    prefill_tile(query, k_cache, v_cache, table, out, row, tokens, pos, kv, group, num_heads, num_kv_heads, DIM, \
+                 block_size, scale, bf16)
+    if (head_dim == 64)
+        TILE(64);
+    else if (head_dim == 128)
+        TILE(128);
+    else
+        TILE(head_dim);
+#undef TILE
+}
+
 /* Returns 0, or -1 when a size is past what the kernel handles (the caller checks first). */
 static inline __attribute__((always_inline)) int paged_prefill(
     const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,
@@ -220,37 +254,13 @@ static inline __attribute__((always_inline)) int paged_prefill(
     const int group = num_heads / num_kv_heads;
     if (group > TILE_ROWS) return -1;
     const int tile_tokens = TILE_ROWS / group;
-    /* Work items: (chunk, token tile, KV head), numbered through a prefix sum of each chunk's tiles. */
-    int64_t items = 0;
+    int64_t items = 0; /* prefill_item numbers them */
     for (int c = 0; c < num_chunks; c++) items += (int64_t)(chunk_lens[c] + tile_tokens - 1) / tile_tokens;
     items *= num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < items; item++) {
-        /* The item's chunk and tile: a walk over the chunks' tile counts (a step has a few chunks). */
-        int64_t index = item / num_kv_heads;
-        const int kv = (int)(item % num_kv_heads);
-        int c = 0;
-        for (;; c++) {
-            const int64_t tiles = (chunk_lens[c] + tile_tokens - 1) / tile_tokens;
-            if (index < tiles) break;
-            index -= tiles;
-        }
-        const int first = (int)index * tile_tokens;
-        const int tokens = chunk_lens[c] - first < tile_tokens ? chunk_lens[c] - first : tile_tokens;
-        const int32_t *table = block_tables + (int64_t)c * table_stride;
-        const int64_t row = (int64_t)chunk_rows[c] + first;
-        const int pos = context_lens[c] + first;
-#define TILE(DIM)                                                                                              \
-    prefill_tile(query, k_cache, v_cache, table, out, row, tokens, pos, kv, group, num_heads, num_kv_heads, DIM, \
-                 block_size, scale, bf16)
-        if (head_dim == 64)
-            TILE(64);
-        else if (head_dim == 128)
-            TILE(128);
-        else
-            TILE(head_dim);
-#undef TILE
-    }
+    PARALLEL_BY_DTYPE(bf16, schedule(dynamic, 1) num_threads(num_threads), int64_t item = 0; item < items; item++,
+                      prefill_item(query, k_cache, v_cache, block_tables, table_stride, chunk_rows, chunk_lens,
+                                   context_lens, out, item, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                   BF16));
     return 0;
 }
 

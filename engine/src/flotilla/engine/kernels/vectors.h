@@ -142,4 +142,22 @@ static inline void store_bf16x16(uint16_t *p, v16f v) {
 }
 #endif
 
+/* An OpenMP loop `for (HEADER) BODY` in which BODY sees the dtype as the constant BF16. GCC outlines a
+ * parallel region into one function, which every inlined copy of its enclosing function shares, with that
+ * function's arguments as variables: the kernels' bf16 arguments, constants at each entry point, had
+ * become a branch in every loop, and the constants of each path no longer stayed in registers
+ * (silu_and_mul ran 22% slower). Here each dtype gets a region of its own. */
+#define PARALLEL_BY_DTYPE(flag, CLAUSES, HEADER, BODY)                                                       \
+    do {                                                                                                     \
+        if (flag) {                                                                                          \
+            enum { BF16 = 1 };                                                                               \
+            _Pragma(OMP_PARALLEL_FOR(CLAUSES)) for (HEADER) BODY;                                            \
+        } else {                                                                                             \
+            enum { BF16 = 0 };                                                                               \
+            _Pragma(OMP_PARALLEL_FOR(CLAUSES)) for (HEADER) BODY;                                            \
+        }                                                                                                    \
+    } while (0)
+#define OMP_PARALLEL_FOR(CLAUSES) OMP_STRING(omp parallel for CLAUSES)
+#define OMP_STRING(x) #x
+
 #endif
