@@ -69,8 +69,8 @@ def test_add_rms_norm_returns_the_norm_of_the_sum_and_the_sum(dtype, rows, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 29 = 16 + 8 + 5: the 16-lane, 8-lane and one-value loops of one row
-@pytest.mark.parametrize("rows,inner", [(1, 8), (4, 1376), (9, 21), (48, 64), (3, 29)])
+# 29 = 16 + 8 + 5: the 16-lane, 8-lane and one-value loops of one row; 61 = 32 + 29: the two-vector loop too
+@pytest.mark.parametrize("rows,inner", [(1, 8), (4, 1376), (9, 21), (48, 64), (3, 29), (2, 61)])
 def test_silu_and_mul_matches_the_reference(dtype, rows, inner):
     gen = torch.Generator().manual_seed(rows * 1000 + inner)
     # Large magnitudes both ways: SiLU's sigmoid must hold for very negative and very positive gates.
