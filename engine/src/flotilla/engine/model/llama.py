@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from flotilla.engine.kernels import fused
 from flotilla.engine.kernels.attention import ATTENTION_LABEL, AttentionMetadata
 from flotilla.engine.kernels.linear import Linear
+from flotilla.engine.kernels.profiling import profiler_range
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.rope import RotaryEmbedding, Rotation, rotate
 
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         # Store before attending: a chunk attends to itself through the cache, and requests admitted
         # in the same step may share blocks written now.
-        with record_function(ATTENTION_LABEL):
+        with profiler_range(ATTENTION_LABEL):
             q = backend.rotate_and_store(
                 qkv, rotation, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads
             )

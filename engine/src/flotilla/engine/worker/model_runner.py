@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 
 from flotilla.engine.config import EngineConfig, blocks_for_budget
 from flotilla.engine.core.lora_slots import NO_SLOT
@@ -19,6 +18,7 @@ from flotilla.engine.kernels import cpu_attention, cpu_decode
 from flotilla.engine.kernels.attention import TorchAttentionBackend
 from flotilla.engine.kernels.linear import pack_for_cpu
 from flotilla.engine.kernels.lora import Segment
+from flotilla.engine.kernels.profiling import profiler_range
 from flotilla.engine.lora.layers import LoRAWeights
 from flotilla.engine.lora.registry import LoRARegistry
 from flotilla.engine.model.config import ModelConfig
@@ -318,7 +318,7 @@ class ModelRunner:
         if not sampling:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        with record_function(SAMPLER_LABEL):
+        with profiler_range(SAMPLER_LABEL):
             plain_rows, plain_requests, offset = [], [], 0
             for item in sampling:
                 request, k = item.request, len(item.spec_token_ids)
