@@ -1,6 +1,7 @@
 """The C library built natively (16-float vectors where the machine has AVX-512) and without AVX-512 (the
 8-float paths every x86 machine with AVX2 takes), so that a machine with the wide paths checks both; for
-paged_prefill.c, whose bfloat16 scores have a path of their own for AVX512-BF16, also wide without it."""
+paged_prefill.c, whose bfloat16 scores have a path of their own for AVX512-BF16, and cpu_ops.c, which rounds
+to bfloat16 with the CPU's own instruction there, also wide without it."""
 
 from __future__ import annotations
 

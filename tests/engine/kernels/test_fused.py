@@ -14,8 +14,10 @@ pytestmark = pytest.mark.skipif(fused._functions(torch.float32) is None, reason=
 
 
 @pytest.fixture(autouse=True)
-def fused_build(c_build, monkeypatch):
-    """Each test on the native build and on the one without AVX-512 (conftest.py)."""
+def fused_build(c_build_bf16_paths, monkeypatch):
+    """Each test on the native build, on the one without AVX-512 and on the wide one without AVX512-BF16,
+    whose roundings to bfloat16 are integer arithmetic where the native build's are the CPU's (conftest.py)."""
+    c_build = c_build_bf16_paths
     if c_build is not None:
 
         def narrow(dtype):
@@ -126,3 +128,19 @@ def test_rope_and_store_declines_what_it_does_not_handle_and_writes_nothing():
         assert fused.rope_and_store(qkv, rotation, k_cache, v_cache, slots.int(), 2, 2) is None
     assert fused.rope_and_store(qkv, rotation, k_cache, v_cache, slots, 2, 2) is None  # autograd on
     assert torch.equal(before, torch.full_like(before, 7.0))
+
+
+def test_bfloat16_results_below_the_smallest_normal_differ_from_torch_by_less_than_it():
+    """Where the CPU rounds to bfloat16 itself (vcvtneps2bf16, AVX512-BF16), a float32 subnormal becomes 0;
+    torch keeps a bfloat16 subnormal. Products of SiLU and a subnormal `up` land there: no more than 2^-126
+    apart, on every build, and every normal value as before."""
+    rows, inner = 2, 40
+    gate = torch.linspace(0.5, 4.0, rows * inner).reshape(rows, inner)
+    up = torch.full((rows, inner), 3e-39)  # a float32 subnormal; bfloat16 has the same exponent range
+    up[:, ::2] = 1.5  # and normal products beside them
+    gate_up = torch.cat([gate, up], dim=1).bfloat16()
+    with torch.inference_mode():
+        got, want = fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up)
+    assert bool((want[:, 1::2] != 0).any()), "the reference must keep some subnormals for this to test anything"
+    assert torch.equal(got[:, ::2], want[:, ::2])
+    assert float((got[:, 1::2].float() - want[:, 1::2].float()).abs().max()) < 2.0**-126

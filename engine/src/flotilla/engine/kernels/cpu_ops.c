@@ -38,16 +38,34 @@ static inline __attribute__((always_inline)) void store_x1(void *p, int64_t i, f
     ((uint16_t *)p)[i] = tmp[0];
 }
 
-/* One row of rms_norm_rows. */
+/* One row of rms_norm_rows: 16-float vectors where the machine has AVX-512 (the 8-float body had taken
+ * 0.9 ms of a 2048-token bfloat16 prefill's 512-wide norms on one core), then 8, then one value. */
 static inline __attribute__((always_inline)) void rms_norm_row(void *out, const void *x, void *residual,
                                                                const void *w, int64_t r, int64_t d, float eps,
                                                                const int bf16) {
-    const int64_t body = d & ~(int64_t)7;
     const int64_t row = r * d;
-    v8f squares = splat(0.0f);
-    float tail = 0.0f;
+    int64_t i = 0;
+    float sum = 0.0f;
     /* With a residual: residual = dtype(x + residual) first, and the norm is of that sum. */
-    for (int64_t i = 0; i < body; i += 8) {
+#if defined(__AVX512F__)
+    v16f squares16 = (v16f){};
+    for (; i + 16 <= d; i += 16) {
+        v16f v = load_any16(x, row + i, bf16);
+        if (residual) {
+            v += load_any16(residual, row + i, bf16);
+            if (bf16) {
+                v = round_bf16x16(v);
+                store_bf16x16((uint16_t *)residual + row + i, v);
+            } else {
+                _mm512_storeu_ps((float *)residual + row + i, (__m512)v);
+            }
+        }
+        squares16 += v * v;
+    }
+    sum += _mm512_reduce_add_ps((__m512)squares16);
+#endif
+    v8f squares = splat(0.0f);
+    for (; i + 8 <= d; i += 8) {
         v8f v = load_any8(x, row + i, bf16);
         if (residual) {
             v = round8(v + load_any8(residual, row + i, bf16), bf16);
@@ -55,21 +73,34 @@ static inline __attribute__((always_inline)) void rms_norm_row(void *out, const 
         }
         squares += v * v;
     }
-    for (int64_t i = body; i < d; i++) {
+    sum += hsum(squares);
+    for (; i < d; i++) {
         float v = load_any1(x, row + i, bf16);
         if (residual) {
             v = round1(v + load_any1(residual, row + i, bf16), bf16);
             store_x1(residual, row + i, v, bf16);
         }
-        tail += v * v;
+        sum += v * v;
     }
     const void *src = residual ? residual : x;
-    const float scale = 1.0f / sqrtf((hsum(squares) + tail) / (float)d + eps);
-    for (int64_t i = 0; i < body; i += 8) {
+    const float scale = 1.0f / sqrtf(sum / (float)d + eps);
+    i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= d; i += 16) {
+        v16f normed = load_any16(src, row + i, bf16) * scale;
+        if (bf16) normed = round_bf16x16(normed);
+        const v16f scaled = load_any16(w, i, bf16) * normed;
+        if (bf16)
+            store_bf16x16((uint16_t *)out + row + i, scaled);
+        else
+            _mm512_storeu_ps((float *)out + row + i, (__m512)scaled);
+    }
+#endif
+    for (; i + 8 <= d; i += 8) {
         const v8f normed = round8(load_any8(src, row + i, bf16) * splat(scale), bf16);
         store_x8(out, row + i, load_any8(w, i, bf16) * normed, bf16);
     }
-    for (int64_t i = body; i < d; i++) {
+    for (; i < d; i++) {
         const float normed = round1(load_any1(src, row + i, bf16) * scale, bf16);
         store_x1(out, row + i, load_any1(w, i, bf16) * normed, bf16);
     }

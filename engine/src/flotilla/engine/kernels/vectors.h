@@ -98,21 +98,41 @@ static inline __attribute__((always_inline)) v8f load_any8(const void *p, int64_
 
 DEFINE_BF16_BITS(bf16_bits, v8f, v8i)
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+/* Where the CPU converts to bfloat16 itself (vcvtneps2bf16), one instruction instead of bf16_bits' seven:
+ * the same rounding to nearest even, and a NaN stays a NaN (with its sign and payload, where bf16_bits makes
+ * every NaN 0x7fc0); float32 subnormals (below 2^-126, never an activation of a working model) become zero
+ * where bf16_bits keeps them as bfloat16 subnormals. */
+#define NATIVE_BF16 1
+#else
+#define NATIVE_BF16 0
+#endif
+
 /* Eight float32 values rounded to bfloat16 and widened back (in registers: the identity for what a
  * bfloat16 tensor can hold). */
-static inline v8f round_bf16(v8f v) { return (v8f)bf16_bits(v); }
+static inline v8f round_bf16(v8f v) {
+#if NATIVE_BF16
+    const __m128i halves = (__m128i)_mm256_cvtneps_pbh((__m256)v);
+    return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16);
+#else
+    return (v8f)bf16_bits(v);
+#endif
+}
 
 /* Eight float32 values as bfloat16 (rounded as bf16_bits). */
 static inline void store_bf16x8(uint16_t *p, v8f v) {
+#if NATIVE_BF16
+    _mm_storeu_si128((__m128i *)p, (__m128i)_mm256_cvtneps_pbh((__m256)v));
+#elif defined(__AVX512F__) && defined(__AVX512VL__)
     const v8u top = (v8u)bf16_bits(v) >> 16;
-#if defined(__AVX512F__) && defined(__AVX512VL__)
     _mm_storeu_si128((__m128i *)p, _mm256_cvtepi32_epi16((__m256i)top)); /* one vpmovdw */
 #elif defined(__AVX2__)
+    const v8u top = (v8u)bf16_bits(v) >> 16;
     /* Each lane is at most 0xffff, so packing with unsigned saturation is exact. */
     const __m256i t = (__m256i)top;
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
 #else
-    const v8u16 halves = __builtin_convertvector(top, v8u16);
+    const v8u16 halves = __builtin_convertvector((v8u)bf16_bits(v) >> 16, v8u16);
     memcpy(p, &halves, sizeof halves);
 #endif
 }
@@ -133,12 +153,23 @@ static inline __attribute__((always_inline)) v16f load_any16(const void *p, int6
 
 DEFINE_BF16_BITS(bf16_bits16, v16f, v16i)
 
-static inline v16f round_bf16x16(v16f v) { return (v16f)bf16_bits16(v); }
+static inline v16f round_bf16x16(v16f v) {
+#if NATIVE_BF16
+    const __m256i halves = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+#else
+    return (v16f)bf16_bits16(v);
+#endif
+}
 
-/* Sixteen float32 values as bfloat16 (rounded as bf16_bits), with one vpmovdw. */
+/* Sixteen float32 values as bfloat16 (rounded as bf16_bits), with one vpmovdw (or the CPU's conversion). */
 static inline void store_bf16x16(uint16_t *p, v16f v) {
+#if NATIVE_BF16
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
     const __m512i top = _mm512_srli_epi32((__m512i)bf16_bits16(v), 16);
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(top));
+#endif
 }
 #endif
 
