@@ -141,6 +141,8 @@ def test_bfloat16_results_below_the_smallest_normal_differ_from_torch_by_less_th
     gate_up = torch.cat([gate, up], dim=1).bfloat16()
     with torch.inference_mode():
         got, want = fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up)
-    assert bool((want[:, 1::2] != 0).any()), "the reference must keep some subnormals for this to test anything"
+    assert bool((want[:, 1::2] != 0).any()), (
+        "the reference must keep some subnormals for this to test anything"
+    )
     assert torch.equal(got[:, ::2], want[:, ::2])
     assert float((got[:, 1::2].float() - want[:, 1::2].float()).abs().max()) < 2.0**-126
