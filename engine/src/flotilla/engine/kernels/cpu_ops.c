@@ -19,6 +19,19 @@ static inline __attribute__((always_inline)) void store_x8(void *p, int64_t i, v
         store8((float *)p + i, v);
 }
 
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void store_x16(void *p, int64_t i, v16f v, const int bf16) {
+    if (bf16)
+        store_bf16x16((uint16_t *)p + i, v);
+    else
+        _mm512_storeu_ps((float *)p + i, (__m512)v);
+}
+
+static inline __attribute__((always_inline)) v16f round16(v16f v, const int bf16) {
+    return bf16 ? round_bf16x16(v) : v;
+}
+#endif
+
 /* One value rounded to the tensor's dtype and back (identity for float32). */
 static inline __attribute__((always_inline)) v8f round8(v8f v, const int bf16) {
     return bf16 ? round_bf16(v) : v;
@@ -52,13 +65,8 @@ static inline __attribute__((always_inline)) void rms_norm_row(void *out, const 
     for (; i + 16 <= d; i += 16) {
         v16f v = load_any16(x, row + i, bf16);
         if (residual) {
-            v += load_any16(residual, row + i, bf16);
-            if (bf16) {
-                v = round_bf16x16(v);
-                store_bf16x16((uint16_t *)residual + row + i, v);
-            } else {
-                _mm512_storeu_ps((float *)residual + row + i, (__m512)v);
-            }
+            v = round16(v + load_any16(residual, row + i, bf16), bf16);
+            store_x16(residual, row + i, v, bf16);
         }
         squares16 += v * v;
     }
@@ -87,13 +95,8 @@ static inline __attribute__((always_inline)) void rms_norm_row(void *out, const 
     i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= d; i += 16) {
-        v16f normed = load_any16(src, row + i, bf16) * scale;
-        if (bf16) normed = round_bf16x16(normed);
-        const v16f scaled = load_any16(w, i, bf16) * normed;
-        if (bf16)
-            store_bf16x16((uint16_t *)out + row + i, scaled);
-        else
-            _mm512_storeu_ps((float *)out + row + i, (__m512)scaled);
+        const v16f normed = round16(load_any16(src, row + i, bf16) * scale, bf16);
+        store_x16(out, row + i, load_any16(w, i, bf16) * normed, bf16);
     }
 #endif
     for (; i + 8 <= d; i += 8) {
@@ -148,23 +151,12 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(void *out, co
     for (; i + 32 <= inner; i += 32) {
         const v16f gate0 = silu16(load_any16(gate_up, in + i, bf16));
         const v16f gate1 = silu16(load_any16(gate_up, in + i + 16, bf16));
-        const v16f product0 = (bf16 ? round_bf16x16(gate0) : gate0) * load_any16(gate_up, in + inner + i, bf16);
-        const v16f product1 = (bf16 ? round_bf16x16(gate1) : gate1) * load_any16(gate_up, in + inner + i + 16, bf16);
-        if (bf16) {
-            store_bf16x16((uint16_t *)out + o + i, product0);
-            store_bf16x16((uint16_t *)out + o + i + 16, product1);
-        } else {
-            _mm512_storeu_ps((float *)out + o + i, (__m512)product0);
-            _mm512_storeu_ps((float *)out + o + i + 16, (__m512)product1);
-        }
+        store_x16(out, o + i, round16(gate0, bf16) * load_any16(gate_up, in + inner + i, bf16), bf16);
+        store_x16(out, o + i + 16, round16(gate1, bf16) * load_any16(gate_up, in + inner + i + 16, bf16), bf16);
     }
     for (; i + 16 <= inner; i += 16) {
         const v16f gate = silu16(load_any16(gate_up, in + i, bf16));
-        const v16f product = (bf16 ? round_bf16x16(gate) : gate) * load_any16(gate_up, in + inner + i, bf16);
-        if (bf16)
-            store_bf16x16((uint16_t *)out + o + i, product);
-        else
-            _mm512_storeu_ps((float *)out + o + i, (__m512)product);
+        store_x16(out, o + i, round16(gate, bf16) * load_any16(gate_up, in + inner + i, bf16), bf16);
     }
 #endif
     for (; i + 8 <= inner; i += 8) {
