@@ -46,5 +46,6 @@ def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
 
 
 @kopf.on.cleanup()
-def stopping(**_) -> None:
+def stopping(memo: kopf.Memo, **_) -> None:
     HEALTH.set(False)
+    memo.reviews.shutdown(wait=False)

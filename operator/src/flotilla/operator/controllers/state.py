@@ -1,13 +1,15 @@
 """What the handlers share across calls, built once at start-up (`new_memo`, called by runner.py) and
 handed to every handler by kopf as `memo`: `memo.runtime` is a Runtime, `memo.metering` a
-MeteringState, `memo.admission` the webhook's QuotaLedger (its truth is in the API, not here). kopf gives each object a shallow copy of the memo, so
-these objects are shared by all; handlers change them, never rebind them.
+MeteringState, `memo.admission` the webhook's QuotaLedger (its truth is in the API, not here), `memo.reviews`
+the threads that admission reviews run on (webhook_reviews.py says why they are not kopf's). kopf gives each
+object a shallow copy of the memo, so these objects are shared by all; handlers change them, never rebind them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import kopf
@@ -64,9 +66,15 @@ class MeteringState:
     wake: dict[str, threading.Event] = field(default_factory=dict)
 
 
+# Reviews wait on the API (reads, one conditional write), not on the CPU: eight answer a burst of eight
+# concurrent creates at once on every replica.
+REVIEW_THREADS = 8
+
+
 def new_memo(runtime: Runtime) -> kopf.Memo:
     return kopf.Memo(
         runtime=runtime,
         metering=MeteringState(),
         admission=QuotaLedger(runtime.kube, runtime.webhook.namespace),
+        reviews=ThreadPoolExecutor(max_workers=REVIEW_THREADS, thread_name_prefix="admission-review"),
     )

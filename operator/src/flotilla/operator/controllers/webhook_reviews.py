@@ -22,14 +22,22 @@ tenant, on any replicas, serialize on that write; the loser reads again and deci
   ConfigMap, the same way as GPU quota.
 - Tenants are refused when they claim a namespace another Tenant claims, stored or admitted moments ago
   (the claims ConfigMap, written the same way).
+
+Reviews run on threads of their own (`memo.reviews`, state.py), never on kopf's executor: kopf runs every sync
+handler there, and an operator that has just started (a rolling update, a failover) fills it with the resume
+of every object it serves; a review queued behind them would outlive the API server's webhook timeout, and
+with failurePolicy Fail the tenant's request would fail rather than be judged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -85,14 +93,12 @@ def _until_written(attempt: Callable[[], bool | None], who: str, what: str, deni
     )
 
 
-@kopf.on.validate(*ISVC, id="quota", operations=["CREATE", "UPDATE"])
 def admit_service(body, old, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **_) -> None:
     old_spec = (old or {}).get("spec") if old else None
     uid = (body.get("metadata") or {}).get("uid") or ""
     _admit(memo.admission, namespace, name, uid, body.get("spec"), old_spec, dryrun)
 
 
-@kopf.on.validate(*ISVC, id="quota-scale", subresource="scale", operations=["UPDATE"])
 def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **_) -> None:
     """`kubectl scale` changes spec.replicas through the scale subresource; it is charged the same way."""
     API_CALLS.labels(verb="get", resource="inferenceservices").inc()
@@ -105,7 +111,6 @@ def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, 
     _admit(memo.admission, namespace, name, uid, new, spec, dryrun)
 
 
-@kopf.on.validate(GROUP, VERSION, TENANT.plural, id="tenant", operations=["CREATE", "UPDATE"])
 def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) -> None:
     """Refuses a Tenant that claims a namespace another claims, stored or admitted moments ago: two
     Tenants applied at once, on any replicas, serialize on the claims ConfigMap's write."""
@@ -149,7 +154,6 @@ def _stored_service(memo: kopf.Memo, namespace: str, name: str) -> dict | None:
         return None
 
 
-@kopf.on.validate(GROUP, VERSION, LORA_ADAPTER.plural, id="lora-adapter", operations=["CREATE", "UPDATE"])
 def admit_adapter(body, old, namespace: str, name: str, memo: kopf.Memo, dryrun: bool = False, **_) -> None:
     spec_raw = body.get("spec") or {}
     if old and (old.get("spec") or {}) == spec_raw:
@@ -216,6 +220,32 @@ def _admit_adapter(ledger: QuotaLedger, key: Key, uid: str, dryrun: bool) -> Non
     _until_written(
         attempt, f"LoRAAdapter {namespace}/{name}", "of the same tenant's limits won the reservation", ""
     )
+
+
+def on_review_threads(review: Callable[..., None]) -> Callable[..., Awaitable[None]]:
+    """The kopf handler that runs the sync `review` on `memo.reviews` (kopf awaits a coroutine handler in its
+    event loop, and only sends sync ones to its executor), with kopf's context (its logging) carried over.
+    Not functools.wraps: kopf follows `__wrapped__` to decide whether a handler is a coroutine."""
+
+    async def handler(**kwargs) -> None:
+        call = functools.partial(contextvars.copy_context().run, review, **kwargs)
+        await asyncio.get_running_loop().run_in_executor(kwargs["memo"].reviews, call)
+
+    handler.__name__ = handler.__qualname__ = review.__name__
+    return handler
+
+
+# kopf's handlers: the reviews above, each on memo.reviews. The names stay the plain sync reviews (tests call them).
+kopf.on.validate(*ISVC, id="quota", operations=["CREATE", "UPDATE"])(on_review_threads(admit_service))
+kopf.on.validate(*ISVC, id="quota-scale", subresource="scale", operations=["UPDATE"])(
+    on_review_threads(admit_scale)
+)
+kopf.on.validate(GROUP, VERSION, TENANT.plural, id="tenant", operations=["CREATE", "UPDATE"])(
+    on_review_threads(admit_tenant)
+)
+kopf.on.validate(GROUP, VERSION, LORA_ADAPTER.plural, id="lora-adapter", operations=["CREATE", "UPDATE"])(
+    on_review_threads(admit_adapter)
+)
 
 
 # ---------------------------------------------------------------------------------------------------
