@@ -33,6 +33,14 @@ def vector_lanes() -> int:
 
 
 @cache
+def rounds_weights(head_dim: int) -> bool:
+    """Whether the built kernel rounds the softmax's numerators to bfloat16 before weighting the values, for
+    bfloat16 caches of head_dim (its AVX512-BF16 path: as transformers' eager attention and FlashAttention
+    do); float32 caches never. Raises KernelUnavailable."""
+    return bool(c_library.function("flotilla_paged_prefill_rounds_weights", [_I32], _I32)(head_dim))
+
+
+@cache
 def unusable(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
     """None when the kernel serves this KV dtype and these sizes (on the CPU); otherwise why not."""
     if dtype not in SYMBOLS:

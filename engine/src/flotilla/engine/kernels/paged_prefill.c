@@ -9,9 +9,10 @@
  * vector of LANES rows scores a key in head_dim broadcast FMAs, a sub-tile's keys being LANES independent
  * chains, and the online softmax runs lane-wise over rows (no horizontal sums); each row's weighted values
  * are then head_dim / LANES FMA chains over the keys it sees. On 8 prompts of 256 tokens with tiny-llama's
- * shapes (1 thread, AMD EPYC Zen 4) it runs at 72 GFLOP/s in bfloat16 and 58 in float32, where torch's
+ * shapes (1 thread, AMD EPYC Zen 4) it ran at 72 GFLOP/s in bfloat16 and 58 in float32, where torch's
  * scaled_dot_product_attention over the gathered blocks ran at 33-36 and the first version of this kernel
- * (a row's scores at a time, keys transposed, float32 FMAs) at 44 and 38.
+ * (a row's scores at a time, keys transposed, float32 FMAs) at 44 and 38; the bfloat16 values in pairs
+ * (below) made it 1.23-1.25x faster again.
  *
  * Queries [T, H, D] and the output are in the caches' dtype; the output rounded once (as torch's cast rounds).
  */
@@ -33,7 +34,10 @@ typedef v8i vwi;
 
 /* bfloat16 scores as pairs of products (vdpbf16ps), where the CPU has AVX512-BF16: half the instructions of
  * widening both sides to float32. Each product is exact in float32, so the scores differ from the FMA
- * path's by the order of the additions only. */
+ * path's by the order of the additions only. The weighted values go in pairs of keys the same way, with
+ * the softmax's numerators rounded to bfloat16 first (as transformers' eager attention rounds its
+ * probabilities to the values' dtype, and FlashAttention its P): half the FMAs of the values' sum, which
+ * were two thirds of the tile's. The denominators stay sums of the float32 numerators. */
 #if LANES == 16 && defined(__AVX512BF16__)
 #define PAIRS 1
 #else
@@ -71,6 +75,11 @@ static inline __attribute__((always_inline)) void prefill_tile(
     vwi query_pairs[TILE_ROWS / LANES][PREFILL_MAX_HEAD_DIM / 2] __attribute__((unused));
     uint32_t key_pairs[LANES][PREFILL_MAX_HEAD_DIM / 2] __attribute__((aligned(64)));
     vw values[LANES][PREFILL_MAX_HEAD_DIM / LANES];
+    /* The pairs path's values: [key pair][d]: dims d * LANES.. of keys 2jp and 2jp+1, interleaved; and the
+       numerators of a row vector's rows, [key pair][lane], as bfloat16 pairs. */
+    vwi value_pairs[LANES / 2][PREFILL_MAX_HEAD_DIM / LANES] __attribute__((unused));
+    uint32_t weight_pairs[LANES / 2][LANES] __attribute__((aligned(64), unused));
+    int64_t key_at[LANES]; /* where each key of the sub-tile starts in the caches */
     float weights[LANES][LANES] __attribute__((aligned(64))); /* [key][lane]: the sub-tile's softmax numerators */
     int64_t query_row[TILE_ROWS]; /* where each row starts in the query (and the output) */
     for (int r = 0; r < rows; r++)
@@ -108,23 +117,35 @@ static inline __attribute__((always_inline)) void prefill_tile(
             if (j < n) {
                 const int pos = start + j;
                 const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-                const int64_t at = slot * token_stride + (int64_t)kv * head_dim;
-                if (pairs)
+                const int64_t at = key_at[j] = slot * token_stride + (int64_t)kv * head_dim;
+                if (pairs) {
                     memcpy(key_pairs[j], (const uint16_t *)k_cache + at, sizeof(uint16_t) * head_dim);
-                else
-                    for (int d = 0; d < nv; d++) {
-                        const vw x = load_anyw(k_cache, at + (int64_t)d * LANES, bf16);
-                        memcpy(keys[j] + d * LANES, &x, sizeof x);
-                    }
+                    continue;
+                }
+                for (int d = 0; d < nv; d++) {
+                    const vw x = load_anyw(k_cache, at + (int64_t)d * LANES, bf16);
+                    memcpy(keys[j] + d * LANES, &x, sizeof x);
+                }
                 for (int d = 0; d < nv; d++) values[j][d] = (vw)load_anyw(v_cache, at + (int64_t)d * LANES, bf16);
+            } else if (pairs) {
+                memset(key_pairs[j], 0, sizeof(uint16_t) * head_dim);
             } else {
-                if (pairs)
-                    memset(key_pairs[j], 0, sizeof(uint16_t) * head_dim);
-                else
-                    memset(keys[j], 0, sizeof(float) * head_dim);
+                memset(keys[j], 0, sizeof(float) * head_dim);
                 for (int d = 0; d < nv; d++) values[j][d] = (vw){};
             }
         }
+#if PAIRS
+        if (pairs) /* each key pair's values, dim by dim: (key 2jp, key 2jp+1) in a 32-bit lane; past n, zeros */
+            for (int jp = 0; jp < LANES / 2; jp++)
+                for (int d = 0; d < nv; d++) {
+                    __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
+                    if (2 * jp < n) memcpy(&first, (const uint16_t *)v_cache + key_at[2 * jp] + d * LANES, sizeof first);
+                    if (2 * jp + 1 < n)
+                        memcpy(&second, (const uint16_t *)v_cache + key_at[2 * jp + 1] + d * LANES, sizeof second);
+                    value_pairs[jp][d] = (vwi)_mm512_or_si512(
+                        _mm512_cvtepu16_epi32(first), _mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
+                }
+#endif
         /* A token before this sub-tile's first key sees none of it: rows are token-major, so those are the
            tile's first rows, and whole row vectors of them are skipped. */
         const int first_row_seeing = start > first_pos ? (start - first_pos) * group : 0;
@@ -165,6 +186,47 @@ static inline __attribute__((always_inline)) void prefill_tile(
             }
             denom[rv] = denom[rv] * correction + sum;
             row_max[rv] = new_max;
+#if PAIRS
+            if (pairs) {
+                for (int jp = 0; jp < LANES / 2; jp++) {
+                    vw first, second;
+                    memcpy(&first, weights[2 * jp], sizeof first);
+                    memcpy(&second, weights[2 * jp + 1], sizeof second);
+                    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)first));
+                    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)second));
+                    _mm512_store_si512(weight_pairs[jp], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                }
+                for (int lane = 0; lane < LANES; lane += 2) {
+                    const int r = rv * LANES + lane;
+                    const int seen0 = row_pos[rv][lane] - start + 1, seen1 = row_pos[rv][lane + 1] - start + 1;
+                    const int seen = seen0 > seen1 ? seen0 : seen1;
+                    if (seen <= 0) continue;
+                    const int visible_pairs = ((seen < n ? seen : n) + 1) / 2; /* a pair's second key may weigh 0 */
+                    vw a0[PREFILL_MAX_HEAD_DIM / LANES], a1[PREFILL_MAX_HEAD_DIM / LANES];
+                    const float c0 = correction[lane], c1 = correction[lane + 1];
+                    for (int d = 0; d < nv; d++) {
+                        memcpy(&a0[d], acc[r] + d * LANES, sizeof a0[d]);
+                        memcpy(&a1[d], acc[r + 1] + d * LANES, sizeof a1[d]);
+                        if (c0 != 1.0f) a0[d] *= c0;
+                        if (c1 != 1.0f) a1[d] *= c1;
+                    }
+                    for (int jp = 0; jp < visible_pairs; jp++) {
+                        const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)weight_pairs[jp][lane]);
+                        const __m512bh w1 = (__m512bh)_mm512_set1_epi32((int)weight_pairs[jp][lane + 1]);
+                        for (int d = 0; d < nv; d++) {
+                            const __m512bh v = (__m512bh)value_pairs[jp][d];
+                            a0[d] = (vw)_mm512_dpbf16_ps((__m512)a0[d], v, w0);
+                            a1[d] = (vw)_mm512_dpbf16_ps((__m512)a1[d], v, w1);
+                        }
+                    }
+                    for (int d = 0; d < nv; d++) {
+                        memcpy(acc[r] + d * LANES, &a0[d], sizeof a0[d]);
+                        memcpy(acc[r + 1] + d * LANES, &a1[d], sizeof a1[d]);
+                    }
+                }
+                continue;
+            }
+#endif
             /* Two rows at a time: 2 * head_dim / LANES FMA chains, each value vector loaded once. A row
                that sees fewer of the keys than the other has weight 0 for the rest. Padding rows (past
                `rows`, weights 0) are written but never read. */
@@ -279,3 +341,7 @@ PREFILL_ENTRY(flotilla_paged_prefill_bf16, uint16_t, 1)
 
 /* The floats per vector of this build's prefill kernel: head_dim must be a multiple of it. */
 int flotilla_paged_prefill_lanes(void) { return LANES; }
+
+/* 1 when this build rounds the softmax's numerators to bfloat16 for bfloat16 caches of head_dim (the pairs
+ * path), else 0 (float32 numerators). */
+int flotilla_paged_prefill_rounds_weights(int32_t head_dim) { return PAIRS && head_dim % (2 * LANES) == 0; }
