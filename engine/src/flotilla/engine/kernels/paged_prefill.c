@@ -9,10 +9,9 @@
  * vector of LANES rows scores a key in head_dim broadcast FMAs, a sub-tile's keys being LANES independent
  * chains, and the online softmax runs lane-wise over rows (no horizontal sums); each row's weighted values
  * are then head_dim / LANES FMA chains over the keys it sees. On 8 prompts of 256 tokens with tiny-llama's
- * shapes (1 thread, AMD EPYC Zen 4) it ran at 72 GFLOP/s in bfloat16 and 58 in float32, where torch's
+ * shapes (1 thread, AMD EPYC Zen 4) it runs at 72 GFLOP/s in bfloat16 and 58 in float32, where torch's
  * scaled_dot_product_attention over the gathered blocks ran at 33-36 and the first version of this kernel
- * (a row's scores at a time, keys transposed, float32 FMAs) at 44 and 38; the bfloat16 values in pairs
- * (below) made it 1.23-1.25x faster again.
+ * (a row's scores at a time, keys transposed, float32 FMAs) at 44 and 38.
  *
  * Queries [T, H, D] and the output are in the caches' dtype; the output rounded once (as torch's cast rounds).
  */
@@ -46,6 +45,25 @@ typedef v8i vwi;
 
 #define PREFILL_MAX_HEAD_DIM 256
 #define TILE_ROWS 64 /* query rows per tile: their accumulators (64 KiB at head_dim 256) stay in L2 */
+
+/* Two rows' accumulators, each rescaled by its correction (1 while its maximum held: no multiply). */
+static inline __attribute__((always_inline)) void load_rows(vw *a0, vw *a1, const float *row0, const float *row1,
+                                                            float c0, float c1, int nv) {
+    for (int d = 0; d < nv; d++) {
+        memcpy(&a0[d], row0 + d * LANES, sizeof a0[d]);
+        memcpy(&a1[d], row1 + d * LANES, sizeof a1[d]);
+        if (c0 != 1.0f) a0[d] *= c0;
+        if (c1 != 1.0f) a1[d] *= c1;
+    }
+}
+
+static inline __attribute__((always_inline)) void store_rows(float *row0, float *row1, const vw *a0, const vw *a1,
+                                                             int nv) {
+    for (int d = 0; d < nv; d++) {
+        memcpy(row0 + d * LANES, &a0[d], sizeof a0[d]);
+        memcpy(row1 + d * LANES, &a1[d], sizeof a1[d]);
+    }
+}
 
 /* One tile: `tokens` consecutive tokens of a chunk from absolute position `first_pos`, the `group` query
  * heads of KV head `kv` (rows token-major: row = token * group + g).
@@ -203,13 +221,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                     if (seen <= 0) continue;
                     const int visible_pairs = ((seen < n ? seen : n) + 1) / 2; /* a pair's second key may weigh 0 */
                     vw a0[PREFILL_MAX_HEAD_DIM / LANES], a1[PREFILL_MAX_HEAD_DIM / LANES];
-                    const float c0 = correction[lane], c1 = correction[lane + 1];
-                    for (int d = 0; d < nv; d++) {
-                        memcpy(&a0[d], acc[r] + d * LANES, sizeof a0[d]);
-                        memcpy(&a1[d], acc[r + 1] + d * LANES, sizeof a1[d]);
-                        if (c0 != 1.0f) a0[d] *= c0;
-                        if (c1 != 1.0f) a1[d] *= c1;
-                    }
+                    load_rows(a0, a1, acc[r], acc[r + 1], correction[lane], correction[lane + 1], nv);
                     for (int jp = 0; jp < visible_pairs; jp++) {
                         const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)weight_pairs[jp][lane]);
                         const __m512bh w1 = (__m512bh)_mm512_set1_epi32((int)weight_pairs[jp][lane + 1]);
@@ -219,10 +231,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                             a1[d] = (vw)_mm512_dpbf16_ps((__m512)a1[d], v, w1);
                         }
                     }
-                    for (int d = 0; d < nv; d++) {
-                        memcpy(acc[r] + d * LANES, &a0[d], sizeof a0[d]);
-                        memcpy(acc[r + 1] + d * LANES, &a1[d], sizeof a1[d]);
-                    }
+                    store_rows(acc[r], acc[r + 1], a0, a1, nv);
                 }
                 continue;
             }
@@ -237,13 +246,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 if (seen <= 0) continue; /* neither sees a key here: their maximum, so their correction, held */
                 const int visible = seen < n ? seen : n;
                 vw a0[PREFILL_MAX_HEAD_DIM / LANES], a1[PREFILL_MAX_HEAD_DIM / LANES];
-                const float c0 = correction[lane], c1 = correction[lane + 1];
-                for (int d = 0; d < nv; d++) {
-                    memcpy(&a0[d], acc[r] + d * LANES, sizeof a0[d]);
-                    memcpy(&a1[d], acc[r + 1] + d * LANES, sizeof a1[d]);
-                    if (c0 != 1.0f) a0[d] *= c0;
-                    if (c1 != 1.0f) a1[d] *= c1;
-                }
+                load_rows(a0, a1, acc[r], acc[r + 1], correction[lane], correction[lane + 1], nv);
                 for (int j = 0; j < visible; j++) {
                     const float p0 = weights[j][lane], p1 = weights[j][lane + 1];
                     for (int d = 0; d < nv; d++) {
@@ -251,10 +254,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                         a1[d] += p1 * values[j][d];
                     }
                 }
-                for (int d = 0; d < nv; d++) {
-                    memcpy(acc[r] + d * LANES, &a0[d], sizeof a0[d]);
-                    memcpy(acc[r + 1] + d * LANES, &a1[d], sizeof a1[d]);
-                }
+                store_rows(acc[r], acc[r + 1], a0, a1, nv);
             }
         }
     }
