@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +137,24 @@ def test_sharded_checkpoints_load(hf_models, tmp_path):
     shutil.copy(folder / "config.json", tmp_path / "config.json")
     ours = load_model(tmp_path, torch.float32, torch.device("cpu"), 64, show_progress=False)
     torch.testing.assert_close(ours.lm_head.weight, model.lm_head.weight)
+
+
+def test_loading_a_model_and_a_step_import_no_compiler(tiny_preset):
+    """Start-up is what scale-from-zero waits for: torch._dynamo alone takes about 0.9 s to import. Nothing the
+    engine does on the CPU compiles, so neither loading a model nor a step may import it (nn.Embedding's own
+    init on the meta device did)."""
+    script = (
+        "import sys\n"
+        "from flotilla.engine.config import EngineConfig\n"
+        "from flotilla.engine.core.sampling_params import SamplingParams\n"
+        "from flotilla.engine.llm_engine import LLMEngine\n"
+        f"engine = LLMEngine(EngineConfig(model={str(tiny_preset)!r}, device='cpu', dtype='bfloat16',"
+        " kv_cache_memory=1 << 22, show_progress=False))\n"
+        "engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), 'r')\n"
+        "while engine.has_unfinished_requests():\n"
+        "    engine.step()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
