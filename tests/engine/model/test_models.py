@@ -140,9 +140,10 @@ def test_sharded_checkpoints_load(hf_models, tmp_path):
 
 
 def test_loading_a_model_and_a_step_import_no_compiler(tiny_preset):
-    """Start-up is what scale-from-zero waits for: torch._dynamo alone takes about 0.9 s to import. Nothing the
-    engine does on the CPU compiles, so neither loading a model nor a step may import it (nn.Embedding's own
-    init on the meta device did)."""
+    """Start-up is what scale-from-zero waits for: torch._dynamo alone takes about 0.9 s to import, torch.fx's
+    symbolic shapes with sympy 0.3-0.5 s. Nothing the engine does on the CPU compiles or traces, so neither
+    loading a model nor a step may import them (nn.Embedding's own init on the meta device imported the one,
+    Module.to_empty the other)."""
     script = (
         "import sys\n"
         "from flotilla.engine.config import EngineConfig\n"
@@ -153,7 +154,8 @@ def test_loading_a_model_and_a_step_import_no_compiler(tiny_preset):
         "engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), 'r')\n"
         "while engine.has_unfinished_requests():\n"
         "    engine.step()\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
+        "heavy = ('torch._dynamo', 'torch._inductor', 'torch.fx.experimental.symbolic_shapes', 'sympy')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
