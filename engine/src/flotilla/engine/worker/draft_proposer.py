@@ -16,6 +16,7 @@ from flotilla.engine.kernels.linear import pack_for_cpu
 from flotilla.engine.model.config import ModelConfig
 from flotilla.engine.model.loader import load_model
 from flotilla.engine.worker.batch import BatchRow, build_batch
+from flotilla.engine.worker.kv_storage import zeroed
 from flotilla.engine.worker.sampler import Sampler, processed_probs
 
 
@@ -43,7 +44,7 @@ class DraftProposer:
         pack_for_cpu(self.model)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (zeroed(shape, dtype, device), zeroed(shape, dtype, device))
             for _ in range(config.num_hidden_layers)
         ]
         # Per request, the distributions its last drafts were drawn from ([k, V]), for the rejection

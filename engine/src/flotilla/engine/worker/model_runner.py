@@ -27,6 +27,7 @@ from flotilla.engine.model.quantize import bf16_weight_bytes, kernels_in_use, we
 from flotilla.engine.worker.batch import BatchRow, build_batch
 from flotilla.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from flotilla.engine.worker.draft_proposer import DraftProposer
+from flotilla.engine.worker.kv_storage import zeroed
 from flotilla.engine.worker.rejection_sampler import RejectionSampler
 from flotilla.engine.worker.sampler import SAMPLER_LABEL, Sampler
 
@@ -148,10 +149,7 @@ class ModelRunner:
             model_config.head_dim,
         )
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            (zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
             for _ in range(model_config.num_hidden_layers)
         ]
         self.backend = pick_backend(
