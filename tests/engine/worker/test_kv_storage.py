@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flotilla.engine.worker.kv_storage import zeroed
@@ -28,3 +29,16 @@ def test_every_dtype_and_an_empty_shape():
         cache = zeroed((3, 16, 2, 8), dtype, torch.device("cpu"))
         assert cache.dtype == dtype and bool((cache == 0).all())
     assert zeroed((0, 16, 2, 8), torch.float32, torch.device("cpu")).shape == (0, 16, 2, 8)
+
+
+def test_a_budget_past_what_the_machine_can_map_is_refused_naming_the_knob(tiny_preset):
+    """1 PiB: past x86-64's 128 TiB of user address space, so refused whatever the overcommit setting."""
+    from flotilla.engine.config import EngineConfig
+    from flotilla.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_preset), device="cpu", dtype="float32", kv_cache_memory=1 << 50,
+                          show_progress=False)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"kv_cache_memory: one layer's \d+ bytes of KV cache .* could not be mapped"
+    ):
+        LLMEngine(config)

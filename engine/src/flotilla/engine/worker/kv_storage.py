@@ -18,5 +18,12 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
+    try:
+        mapping = mmap.mmap(-1, nbytes)
+    except OSError as exc:  # past the address space, or what the kernel's overcommit rule allows
+        raise ValueError(
+            f"kv_cache_memory: one layer's {nbytes} bytes of KV cache ({list(shape)} {dtype}) could not be "
+            f"mapped: {exc.strerror or exc}; give a smaller --kv-cache-memory"
+        ) from exc
     # The tensor keeps the mapping alive; it is unmapped when the tensor goes.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
