@@ -43,8 +43,19 @@ typedef v8i vwi;
 #define PAIRS 0
 #endif
 
+/* Whether bfloat16 caches of head_dim take the pairs path: a row's pairs fill whole vectors. */
+static inline int pairs_for(int head_dim) { return PAIRS && head_dim % (2 * LANES) == 0; }
+
 #define PREFILL_MAX_HEAD_DIM 256
 #define TILE_ROWS 64 /* query rows per tile: their accumulators (64 KiB at head_dim 256) stay in L2 */
+
+/* How many of a sub-tile's n keys (from position `start`) rows `lane` and `lane + 1` see between them; 0 when
+ * neither sees one, so their maximum, and their correction, held. */
+static inline __attribute__((always_inline)) int keys_seen(vwi row_pos, int lane, int start, int n) {
+    const int seen0 = row_pos[lane] - start + 1, seen1 = row_pos[lane + 1] - start + 1;
+    const int seen = seen0 > seen1 ? seen0 : seen1;
+    return seen <= 0 ? 0 : seen < n ? seen : n;
+}
 
 /* Two rows' accumulators, each rescaled by its correction (1 while its maximum held: no multiply). */
 static inline __attribute__((always_inline)) void load_rows(vw *a0, vw *a1, const float *row0, const float *row1,
@@ -81,8 +92,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int row_vectors = (rows + LANES - 1) / LANES;
     const int nv = head_dim / LANES;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    /* Pairs of products where a row's pairs fill whole vectors (head_dim a multiple of 2 * LANES). */
-    const int pairs = PAIRS && bf16 && head_dim % (2 * LANES) == 0;
+    const int pairs = bf16 && pairs_for(head_dim);
     float acc[TILE_ROWS][PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
     vw queries_t[TILE_ROWS / LANES][PREFILL_MAX_HEAD_DIM]; /* [rv][d]: dim d of the rows' queries */
     vw row_max[TILE_ROWS / LANES], denom[TILE_ROWS / LANES];
@@ -216,10 +226,9 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 }
                 for (int lane = 0; lane < LANES; lane += 2) {
                     const int r = rv * LANES + lane;
-                    const int seen0 = row_pos[rv][lane] - start + 1, seen1 = row_pos[rv][lane + 1] - start + 1;
-                    const int seen = seen0 > seen1 ? seen0 : seen1;
-                    if (seen <= 0) continue;
-                    const int visible_pairs = ((seen < n ? seen : n) + 1) / 2; /* a pair's second key may weigh 0 */
+                    const int visible = keys_seen(row_pos[rv], lane, start, n);
+                    if (!visible) continue;
+                    const int visible_pairs = (visible + 1) / 2; /* a pair's second key may weigh 0 */
                     vw a0[PREFILL_MAX_HEAD_DIM / LANES], a1[PREFILL_MAX_HEAD_DIM / LANES];
                     load_rows(a0, a1, acc[r], acc[r + 1], correction[lane], correction[lane + 1], nv);
                     for (int jp = 0; jp < visible_pairs; jp++) {
@@ -241,10 +250,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
                `rows`, weights 0) are written but never read. */
             for (int lane = 0; lane < LANES; lane += 2) {
                 const int r = rv * LANES + lane;
-                const int seen0 = row_pos[rv][lane] - start + 1, seen1 = row_pos[rv][lane + 1] - start + 1;
-                const int seen = seen0 > seen1 ? seen0 : seen1;
-                if (seen <= 0) continue; /* neither sees a key here: their maximum, so their correction, held */
-                const int visible = seen < n ? seen : n;
+                const int visible = keys_seen(row_pos[rv], lane, start, n);
+                if (!visible) continue;
                 vw a0[PREFILL_MAX_HEAD_DIM / LANES], a1[PREFILL_MAX_HEAD_DIM / LANES];
                 load_rows(a0, a1, acc[r], acc[r + 1], correction[lane], correction[lane + 1], nv);
                 for (int j = 0; j < visible; j++) {
@@ -344,4 +351,4 @@ int flotilla_paged_prefill_lanes(void) { return LANES; }
 
 /* 1 when this build rounds the softmax's numerators to bfloat16 for bfloat16 caches of head_dim (the pairs
  * path), else 0 (float32 numerators). */
-int flotilla_paged_prefill_rounds_weights(int32_t head_dim) { return PAIRS && head_dim % (2 * LANES) == 0; }
+int flotilla_paged_prefill_rounds_weights(int32_t head_dim) { return pairs_for(head_dim); }
