@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != module_name:
+            if not _is_absent(module_name, exc):
                 raise
-            group.set_defaults(func=_not_built(name))
+            group.set_defaults(func=_not_installed(name, module_name))
             continue
         if hasattr(module, "configure"):  # a group that is one command with options (flotilla usage)
             module.configure(group)
@@ -73,8 +73,8 @@ def _add_bench(commands: argparse._SubParsersAction, group: str) -> None:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if not exc.name or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise  # installed, but something it imports is missing: not ours to hide
+        if not _is_absent(module_name, exc):
+            raise
         missing = _bench_missing(group)
         # Any arguments are taken (none is an option here), so every invocation gets the one line.
         bench = commands.add_parser(
@@ -102,9 +102,20 @@ def _bench_missing(group: str):
     return run
 
 
-def _not_built(group: str):
+def _is_absent(module_name: str, exc: ModuleNotFoundError) -> bool:
+    """Whether `exc` says `module_name` itself is not installed (it or a package above it is missing), as in
+    an image that carries only some distributions. A module that is installed but imports something missing
+    is a broken installation: not ours to hide."""
+    return bool(exc.name) and (module_name == exc.name or module_name.startswith(f"{exc.name}."))
+
+
+def _not_installed(group: str, module_name: str):
     def run(_args) -> int:
-        print(f"flotilla {group}: this command group is not implemented yet", file=sys.stderr)
+        print(
+            f"flotilla {group}: not installed here ({module_name} is missing); "
+            f"install the distribution that provides it",
+            file=sys.stderr,
+        )
         return 2
 
     return run

@@ -207,11 +207,11 @@ class NodeAgent:
                 )
 
     def heartbeat_loop(self) -> None:
-        last_status = 0.0
+        last_status: float | None = None  # the first status at once, however long the machine has been up
         while not self.stopping.is_set():
             try:
                 self.renew_leases()
-                if time.monotonic() - last_status > NODE_STATUS_SECONDS:
+                if last_status is None or time.monotonic() - last_status > NODE_STATUS_SECONDS:
                     for name in self.nodes:
                         self.client.strategic_patch(
                             f"/api/v1/nodes/{name}/status", {"status": self._node_status()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -62,24 +63,29 @@ def _port(value, container_ports: list[dict]) -> int:
 
 @dataclass
 class ProbeTracker:
-    """Consecutive successes and failures of one probe on one container run."""
+    """Consecutive successes and failures of one probe on one container run.
+
+    `started_at` and every `now` come from `clock` (monotonic seconds, whatever its origin): the first run
+    is due at the initial delay, the next ones a period after the last ran, as a kubelet runs them.
+    """
 
     probe: dict
     started_at: float
     successes: int = 0
     failures: int = 0
-    last_run: float = 0.0
+    last_run: float | None = None  # None until the first run: no period to wait for yet
     result: bool | None = None  # None until the threshold settles it
     running: bool = field(default=False)
+    clock: Callable[[], float] = time.monotonic
 
     def due(self, now: float) -> bool:
         if self.running or now < self.started_at + float(self.probe.get("initialDelaySeconds", 0)):
             return False
-        return now - self.last_run >= float(self.probe.get("periodSeconds", 10))
+        return self.last_run is None or now - self.last_run >= float(self.probe.get("periodSeconds", 10))
 
     def record(self, ok: bool) -> None:
         self.running = False
-        self.last_run = time.monotonic()
+        self.last_run = self.clock()
         if ok:
             self.successes, self.failures = self.successes + 1, 0
             if self.successes >= int(self.probe.get("successThreshold", 1)):

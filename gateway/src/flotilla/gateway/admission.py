@@ -223,10 +223,10 @@ class FrontDoor:
         """While requests wait for a service, tell the operator (every DEMAND_INTERVAL seconds)."""
         while True:
             current = self.fleet.index.get(service.key) or service
-            last = self.demand_sent.get(service.key, -DEMAND_INTERVAL)
+            last = self.demand_sent.get(service.key)
             # Also while a replica comes up: a model that loads for longer than the idle period must
             # not be scaled back to zero under the requests waiting for it.
-            if time.monotonic() - last >= DEMAND_INTERVAL:
+            if last is None or time.monotonic() - last >= DEMAND_INTERVAL:
                 self.demand_sent[service.key] = time.monotonic()
                 await self.fleet.demand(current, timestamps.now(micro=True))
             await asyncio.sleep(1.0)

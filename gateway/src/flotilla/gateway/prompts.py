@@ -85,7 +85,8 @@ class PromptHasher:
         entry = self.tokenizers.get(key)
         if entry is not None or not endpoints:
             return entry
-        if time.monotonic() - self.failed_at.get(key, -RETRY_AFTER_FAILURE) < RETRY_AFTER_FAILURE:
+        failed_at = self.failed_at.get(key)
+        if failed_at is not None and time.monotonic() - failed_at < RETRY_AFTER_FAILURE:
             return None
         task = self.fetching.get(key)
         if task is None:  # one fetch per service, however many requests wait on it
