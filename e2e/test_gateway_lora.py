@@ -1,11 +1,12 @@
 """LoRA adapters of two tenants on one shared base service, through the gateway, on the real local cluster:
 the operator and the gateway each under their least-privilege ServiceAccount (the gateway's reads
-LoRAAdapters). The base InferenceService is in a namespace no Tenant claims (shared); each tenant's
+LoRAAdapters). The base InferenceService is in a namespace of the platform's shared Tenant
+(`spec.shared: true`: its services are every tenant's, its GPUs its quota's); each tenant's
 LoRAAdapter in its own namespace names it (spec.serviceNamespace), under the same name `sql`. Each key
-reaches only its own adapter (401, 403, 404 otherwise) and lists only its own in /v1/models (with
+reaches only its own adapter (401, 404 otherwise) and lists only its own in /v1/models (with
 `parent`); an adapter on a base in another tenant's namespace is refused in its status (BaseNotShared);
-each tenant's status meters its own adapter's tokens; after the engine pod is killed, a request is held
-until the new replica has the adapter loaded, then served.
+each tenant's status meters its own adapter's tokens, and the shared Tenant's the base's GPU time; after
+the engine pod is killed, a request is held until the new replica has the adapter loaded, then served.
 
 """
 
@@ -37,8 +38,9 @@ pytestmark = pytest.mark.cluster
 RUN = uuid.uuid4().hex[:6]
 KEY_A, KEY_B = f"fl-a-{uuid.uuid4().hex}", f"fl-b-{uuid.uuid4().hex}"
 TENANT_A, TENANT_B = f"lg-a-{RUN}", f"lg-b-{RUN}"
+TENANT_SHARED = f"lg-s-{RUN}"  # the platform's shared Tenant (spec.shared), owning NS_SHARED
 NS_A, NS_B = f"lga-{RUN}", f"lgb-{RUN}"
-NS_SHARED = f"lgs-{RUN}"  # claimed by no Tenant
+NS_SHARED = f"lgs-{RUN}"  # the shared Tenant's: every tenant's key may use its services
 SERVED = f"tiny-{RUN}"  # the shared base's served name
 
 
@@ -64,9 +66,9 @@ class Env:
         return (self.cluster.get_json("tenant", tenant).get("status") or {}).get("adapters") or {}
 
 
-def _tenant(name: str, namespace: str) -> dict:
+def _tenant(name: str, namespace: str, **spec) -> dict:
     return {"apiVersion": "flotilla.dev/v1alpha1", "kind": "Tenant", "metadata": {"name": name},
-            "spec": {"namespaces": [namespace], "gpuQuota": {"h100": 2}}}  # fmt: skip
+            "spec": {"namespaces": [namespace], "gpuQuota": {"h100": 2}, **spec}}  # fmt: skip
 
 
 def _adapter(name: str, namespace: str, folder: Path, base_ns: str = NS_SHARED) -> dict:
@@ -93,7 +95,8 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
     master = workdir / "engine-token"
     master.write_text(uuid.uuid4().hex)
     operator = OperatorProcess(service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
-                               workdir / "operator.log", ("--engine-token-file", str(master)))  # fmt: skip
+                               workdir / "operator.log", ("--engine-token-file", str(master)),
+                               host_path_roots=(workdir,))  # fmt: skip
     token = service_account_token(cluster, OPERATOR_NS)
     gateway = GatewayProcess(kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token}),
                              workdir / "gateway.log", OPERATOR_NS, master)  # fmt: skip
@@ -102,6 +105,7 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
     lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(adapters)}
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
     docs = [
+        _tenant(TENANT_SHARED, NS_SHARED, shared=True),  # sharing is granted, not implied by no claim
         _tenant(TENANT_A, NS_A),
         _tenant(TENANT_B, NS_B),
         key_secret(TENANT_A, "first", KEY_A, OPERATOR_NS, f"{TENANT_A}-keys"),
@@ -128,7 +132,7 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
         operator.stop()
         for ns in (NS_A, NS_B, NS_SHARED):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        cluster.kubectl("delete", "tenant", TENANT_A, TENANT_B, "--wait=false", check=False)
+        cluster.kubectl("delete", "tenant", TENANT_A, TENANT_B, TENANT_SHARED, "--wait=false", check=False)
         cluster.kubectl("delete", "secret", "-n", OPERATOR_NS, f"{TENANT_A}-keys", f"{TENANT_B}-keys",
                         "--ignore-not-found", check=False)  # fmt: skip
 
@@ -155,11 +159,11 @@ def test_two_tenants_adapters_on_one_shared_base_each_key_reaches_its_own_and_is
     base = env.post(SERVED)  # the shared base itself: every tenant's
     assert base.status_code == 200 and base.json()["model"] == SERVED, base.text
 
-    # Another tenant's adapter: 403 naming only what was sent; unknown: 404; no key: 401.
+    # Another tenant's adapter: 404, as an unknown name; no key: 401.
     for model, key in ((f"{NS_B}/sql", KEY_A), (f"{NS_A}/sql", KEY_B), (f"{NS_A}/stolen", KEY_B)):
         refused = env.post(model, key)
-        assert refused.status_code == 403, refused.text
-        assert refused.json()["error"]["message"] == f"your API key's tenant may not use the model {model!r}"
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["message"] == f"the model {model!r} does not exist"
     assert env.post("nope").status_code == 404
     assert env.post("sql", key=None).status_code == 401
 
@@ -190,6 +194,14 @@ def test_two_tenants_adapters_on_one_shared_base_each_key_reaches_its_own_and_is
         assert usage is not None and f"{other}/sql" not in usage, usage
         # Exactly what its own requests generated: the other tenant's on the same engine never count.
         assert usage[f"{ns}/sql"]["output"] == generated[ns] and usage[f"{ns}/sql"]["input"] > 0, usage
+    # The shared base's GPU time is the shared Tenant's (its quota, its budget), never nobody's.
+    seconds = wait_for(
+        lambda: (((env.cluster.get_json("tenant", TENANT_SHARED).get("status") or {}).get("usage") or {})
+                 .get("total", {}).get("byNamespace", {}).get(NS_SHARED)),
+        60,
+        f"{TENANT_SHARED}'s metering of the shared base's GPU time",
+    )  # fmt: skip
+    assert seconds is not None and seconds > 0
 
     # The engine pod is killed: the request waits for the new replica to have the adapter, then is served.
     env.cluster.kubectl("delete", "pod", pod, "-n", NS_SHARED, "--wait=false")

@@ -166,7 +166,8 @@ def _operator_sample(metrics: str, name: str, **labels: str) -> float:
 
 def _refuse_over_quota(cluster: ClusterHandle, namespace: str) -> str:
     """An InferenceService tenant A has no GPUs left for: the webhook refuses it (and counts the refusal)."""
-    extra = manifest_yaml.dump(inference_service("extra", "file:///nonexistent", namespace, engine=ENGINE))
+    # hf://, no host path: the refusal is the quota's (a folder outside the host-path roots is refused first).
+    extra = manifest_yaml.dump(inference_service("extra", "hf://flotilla/extra", namespace, engine=ENGINE))
     refused = cluster.kubectl("apply", "-f", "-", input=extra, check=False)
     assert refused.returncode != 0 and "quota" in refused.stderr, refused.stdout + refused.stderr
     return refused.stderr
@@ -227,6 +228,7 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
         workdir / "operator.log",
         ("--webhook-port", str(free_port()), "--metering-interval", METERING_INTERVAL,
          "--prometheus-url", f.prometheus, "--engine-token-file", str(master)),
+        host_path_roots=(workdir,),  # the model and the adapterDir
     )  # fmt: skip
     gateway_kubeconfig = kubeconfig_for(
         cluster, workdir / "gateway.kubeconfig", {"token": service_account_token(cluster, OPERATOR_NS)}

@@ -48,7 +48,10 @@ def operator(cluster: ClusterHandle, tmp_path_factory) -> Iterator[OperatorProce
     install_manifests(cluster)
     workdir = tmp_path_factory.mktemp("operator")
     kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
-    proc = OperatorProcess(kubeconfig, workdir / "operator.log")
+    # The models' and adapters' folders are tmp_path_factory's, all under its base.
+    proc = OperatorProcess(
+        kubeconfig, workdir / "operator.log", host_path_roots=(tmp_path_factory.getbasetemp(),)
+    )
     proc.start()
     yield proc
     proc.stop()

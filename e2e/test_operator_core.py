@@ -41,7 +41,10 @@ def operator(cluster: ClusterHandle, tmp_path_factory) -> Iterator[OperatorProce
     install_manifests(cluster)
     workdir = tmp_path_factory.mktemp("operator")
     kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
-    proc = OperatorProcess(kubeconfig, workdir / "operator.log")
+    # The tests' model folders are tmp_path's (under tmp_path_factory's base); /nonexistent is a root that
+    # does not exist, so that a model under it is allowed and then not found (the missing-path case).
+    roots = (tmp_path_factory.getbasetemp(), "/nonexistent")
+    proc = OperatorProcess(kubeconfig, workdir / "operator.log", host_path_roots=roots)
     proc.start()
     yield proc
     proc.stop()
@@ -137,6 +140,13 @@ def test_schema_rejects_malformed_input_naming_the_field(cluster, operator, name
             "/nonexistent/flotilla-model does not exist",
         ),
         (
+            "file:///etc/kubernetes",
+            {},
+            "HostPathNotAllowed",
+            "spec.model.uri: 'file:///etc/kubernetes' (host path /etc/kubernetes): under none of the host-path "
+            "roots the operator allows",
+        ),
+        (
             None,
             {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
             "InvalidReplicaRange",
@@ -161,7 +171,15 @@ def test_schema_rejects_malformed_input_naming_the_field(cluster, operator, name
             "spec.engine.quantizationGroupSize: 64 is set while quantization is 'int8'",
         ),
     ],
-    ids=["scheme", "missing-path", "min-over-max", "gpu-type", "ngram-with-model", "group-size-without-int4"],
+    ids=[
+        "scheme",
+        "missing-path",
+        "host-path-outside-roots",
+        "min-over-max",
+        "gpu-type",
+        "ngram-with-model",
+        "group-size-without-int4",
+    ],
 )
 def test_wrong_meaning_is_invalid_with_a_warning_and_nothing_created(
     cluster, operator, namespace, model_dir, uri, override, reason, words

@@ -63,6 +63,7 @@ def test_prometheus_mode_scales_on_ttft_read_from_prometheus(cluster: ClusterHan
             service_account_kubeconfig(cluster, tmp_path / "operator.kubeconfig"),
             tmp_path / "operator.log",
             ("--prometheus-url", prom.url),
+            host_path_roots=(tmp_path,),
         )
         operator.start()
         try:

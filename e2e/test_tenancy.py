@@ -138,6 +138,7 @@ def env(cluster: ClusterHandle, tmp_path_factory):
         service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
         workdir / "operator.log",
         ("--webhook-port", str(webhook_port), "--metering-interval", str(METERING_INTERVAL)),
+        host_path_roots=(MODEL_DIR,),
     )
     e = Env(cluster, operator, workdir, webhook_port)
     for ns in (e.ns_a, e.ns_b):

@@ -49,12 +49,20 @@ ENV_TENANT = "FLOTILLA_TENANT"  # the Tenant that owns the pod's namespace ("" w
 ENV_SERVICE = "FLOTILLA_SERVICE"  # the InferenceService's name
 ENV_NAMESPACE = "FLOTILLA_NAMESPACE"
 ENV_API_KEY = "FLOTILLA_API_KEY"  # when set, the engine requires 'Authorization: Bearer <key>'
-# The credential that lets a caller (the gateway) name the tenant of a request in HEADER_TENANT.
+# The operator's credential on the engines of one namespace (engine_token): loading and unloading adapters.
 ENV_INTERNAL_TOKEN = "FLOTILLA_INTERNAL_TOKEN"
+# The SHA-256 (token_digest) of the gateway's credential (gateway_token): a request naming its tenant in
+# HEADER_TENANT must carry the token in HEADER_GATEWAY_TOKEN. Only the digest is in the pod: not a secret.
+ENV_GATEWAY_TOKEN_SHA256 = "FLOTILLA_GATEWAY_TOKEN_SHA256"
 
-# -- request headers the engine trusts only from the gateway ---------------------------------------------
+# -- request headers the engine trusts only from the gateway or the operator -------------------------------
 HEADER_TENANT = "X-Flotilla-Tenant"  # the tenant a request is served for (scheduling, metrics)
-HEADER_INTERNAL_TOKEN = "X-Flotilla-Internal-Token"  # must equal the engine's internal token
+HEADER_GATEWAY_TOKEN = "X-Flotilla-Gateway-Token"  # Envoy (or the relay) adds it; the picker never sends it
+HEADER_INTERNAL_TOKEN = "X-Flotilla-Internal-Token"  # must equal the engine's internal token (the operator's)
+
+# -- the picker's callers: gRPC metadata Envoy sends on ext_proc and EDS (its bootstrap's initial_metadata) --
+PICKER_TOKEN_METADATA = "x-flotilla-picker-token"  # picker_token(master): who may ask the picker at all
+ENVOY_NODE_METADATA = "x-flotilla-envoy-node"  # the asking Envoy's node id: its picks wait for its EDS ACKs
 
 # -- prefix-cache block hashes: the engine's prefix cache and the gateway's prefix routing -----------------
 # Both hash a prompt's full blocks of BLOCK_SIZE token ids the same way, here, so that a block the gateway
@@ -276,12 +284,41 @@ ANNOTATION_DEMAND = "flotilla.dev/demand"
 
 def api_key_digest(key: str) -> str:
     """What a key Secret stores for an API key: its SHA-256, hex (keys are random, so no salt is needed)."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    return token_digest(key)
 
 
 def engine_token(master: str, namespace: str) -> str:
-    """The internal token of the engines in `namespace`, derived from the installation's master token."""
+    """The internal token of the engines in `namespace` (the operator's, for adapter loads), derived from
+    the installation's master token."""
     return hmac.new(master.encode(), namespace.encode(), hashlib.sha256).hexdigest()
+
+
+# The labels of the two installation-wide tokens: not namespace names (those have no ':'), so neither is
+# ever some namespace's engine_token.
+_GATEWAY_LABEL, _PICKER_LABEL = b"flotilla:gateway", b"flotilla:picker"
+
+
+def gateway_token(master: str) -> str:
+    """The gateway's credential on every engine (HEADER_GATEWAY_TOKEN): Envoy's route adds it to each
+    upstream request, so it never travels through the picker's answers."""
+    return hmac.new(master.encode(), _GATEWAY_LABEL, hashlib.sha256).hexdigest()
+
+
+def picker_token(master: str) -> str:
+    """What a data plane presents to the picker (PICKER_TOKEN_METADATA): Envoy's bootstrap sends it."""
+    return hmac.new(master.encode(), _PICKER_LABEL, hashlib.sha256).hexdigest()
+
+
+def token_digest(token: str) -> str:
+    """What a verifier holds of a token: its SHA-256, hex (tokens are HMAC outputs, so no salt is needed)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(given: str | None, digest: str | None) -> bool:
+    """Whether `given` is the token whose digest is `digest` (constant time; False without either)."""
+    if not given or not digest:
+        return False
+    return hmac.compare_digest(token_digest(given).encode(), digest.encode())
 
 
 # The gateway's series (its own /metrics). Counters without `_total`, as above.

@@ -127,7 +127,7 @@ def _node_port(state_dir: Path, name: str) -> int:
     return port
 
 
-def _install_chart(cluster, state_dir: Path, model_dir: Path) -> None:
+def _install_chart(cluster, state_dir: Path, model_dir: Path, adapter_dir: Path) -> None:
     from flotilla.cluster.processes import ProcessTable
     from flotilla.operator.cmd import local_chart
 
@@ -140,8 +140,12 @@ def _install_chart(cluster, state_dir: Path, model_dir: Path) -> None:
     )  # an older demo's host-process operator, by its pid record
     seconds = local_chart.install(
         cluster,
+        # The model's folder and the service's adapterDir are the host paths the operator may mount.
         local_chart.local_values(
-            _node_port(state_dir, "webhook"), (model_dir,), _node_port(state_dir, "gateway")
+            _node_port(state_dir, "webhook"),
+            (model_dir,),
+            _node_port(state_dir, "gateway"),
+            host_path_roots=(adapter_dir.parent,),
         ),
         log=lambda line: print(f"   {line}", flush=True),
     )
@@ -154,11 +158,12 @@ def _install_chart(cluster, state_dir: Path, model_dir: Path) -> None:
     )
 
 
-def _over_quota_refusal(cluster) -> str:
-    """The webhook's answer to a service over the Tenant's quota (a server-side dry run changes nothing)."""
+def _over_quota_refusal(cluster, model_dir: Path) -> str:
+    """The webhook's answer to a service over the Tenant's quota (a server-side dry run changes nothing).
+    On the demo's own model: a folder outside the operator's host-path roots would be refused for that."""
     from flotilla.operator.cmd.local import inference_service
 
-    too_big = inference_service("too-big", "file:///nonexistent", NAMESPACE, replicas=5)
+    too_big = inference_service("too-big", model_dir, NAMESPACE, replicas=5)
     result = cluster.kubectl(
         "apply", "--dry-run=server", "-f", "-", input=manifest_yaml.dump(too_big), check=False
     )
@@ -230,14 +235,14 @@ def run(args: argparse.Namespace) -> int:
 
     _step("Flotilla through its Helm chart: CRDs, RBAC, the operator as a pod, the admission webhook")
     installing = time.monotonic()
-    _install_chart(cluster, state_dir, model_dir)
+    _install_chart(cluster, state_dir, model_dir, adapter_dir)
 
     _step(f"Tenant {TENANT} owning namespace {NAMESPACE}, and InferenceService {SERVICE}")
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
     print(cluster.apply(_manifests(model_dir, adapter_dir)).stdout.rstrip())
 
     _step("the webhook refuses a service over the Tenant's quota (5 replicas x 1 GPU > 4)")
-    print(f"   {_over_quota_refusal(cluster)}")
+    print(f"   {_over_quota_refusal(cluster, model_dir)}")
 
     _step(f"waiting for {SERVICE} to be Ready (the engine loads the model in its pod)")
     status = _wait_ready(cluster, args.timeout)

@@ -14,11 +14,19 @@ A Tenant claims a namespace
   Kubernetes `{}` selects everything, and a Tenant that owned every namespace of the cluster, system ones
   included, by an omission is never what a platform team meant.
 
-A namespace claimed by exactly one Tenant is owned by it. A namespace claimed by none is owned by nobody
-(its services are shared by every tenant in the gateway and charged to no quota). A namespace claimed by
-two or more Tenants is *contested*: the second Tenant is refused at admission, but where the claim arises
-later (a relabelled namespace, Tenants written while the webhook was off) neither claimant gets it: no
-tenant's key reaches its services, no quota admits GPUs there, and both Tenants say so in a condition.
+A namespace claimed by exactly one Tenant is owned by it. A namespace claimed by none is owned by nobody:
+*unowned*, it is nobody's to use (no tenant's key reaches its services, no adapter of another namespace
+may use them as a base) and the admission webhook refuses InferenceServices there, since no quota could
+be charged. A namespace claimed by two or more Tenants is *contested*: the second Tenant is refused at
+admission, but where the claim arises later (a relabelled namespace, Tenants written while the webhook was
+off) neither claimant gets it: no tenant's key reaches its services, no quota admits GPUs there, and both
+Tenants say so in a condition.
+
+Sharing is granted, never implied by a missing claim: a namespace is *shared* when the Tenant that owns it
+is marked `spec.shared: true`, the platform's shared Tenant (`Owner.shared`, decided in `owner_of` and
+nowhere else). Its services are open to every tenant's key and may be the base of any tenant's
+LoRAAdapter; like any Tenant's, its GPUs are admitted against and metered to its own quota (the platform's
+budget), never to nobody. A contested namespace is never shared.
 
 Tenant specs are read as stored (camelCase keys), so the gateway passes its watch objects' `spec` and the
 operator its pydantic models dumped by alias.
@@ -42,6 +50,9 @@ class Owner:
 
     namespace: str
     claimants: tuple[str, ...] = ()  # every Tenant that claims it, sorted
+    # The one owner is the platform's shared Tenant (spec.shared): every tenant may use the namespace's
+    # services. Only owner_of decides it; never True for a namespace that is unowned or contested.
+    shared: bool = False
 
     @property
     def tenant(self) -> str | None:
@@ -94,31 +105,39 @@ def claims(spec: Mapping[str, Any], namespace: str, labels: Mapping[str, str] | 
 
 
 def owner_of(namespace: str, tenants: TenantSpecs, namespace_labels: NamespaceLabels) -> Owner:
+    """Who owns the namespace, and whether it is shared: the one place that reads a Tenant's
+    `spec.shared` (the namespaces of the one Tenant that claims it, when that Tenant is marked shared)."""
     labels = namespace_labels.get(namespace)
-    return Owner(
-        namespace, tuple(sorted(n for n, spec in tenants.items() if claims(spec, namespace, labels)))
-    )
+    claimants = tuple(sorted(n for n, spec in tenants.items() if claims(spec, namespace, labels)))
+    shared = len(claimants) == 1 and tenants[claimants[0]].get("shared") is True
+    return Owner(namespace, claimants, shared)
 
 
-def may_use(tenant: str | None, owner: str | None, contested: bool) -> bool:
-    """Whether a caller of `tenant` (None: none) may use a service in a namespace owned by `owner` (None:
-    no Tenant, or several: `contested`): a tenant's namespace is that tenant's alone; one no Tenant claims
-    is shared by every tenant; a contested one is nobody's until the claim is resolved. The gateway asks it
-    of every request (a key's tenant), and the operator of every LoRAAdapter on a base service in another
-    namespace (the adapter's tenant; adapter_may_use)."""
+def may_use(tenant: str | None, owner: str | None, *, contested: bool, shared: bool) -> bool:
+    """Whether a caller of `tenant` (None: no key, a static fleet) may use a service in a namespace owned
+    by `owner` (None: no Tenant, or several: `contested`; `shared`: Owner.shared): a shared namespace's
+    services are every tenant's (and a caller's without a tenant); a tenant's namespace is that tenant's
+    alone; an unowned one is nobody's (sharing is granted by a shared Tenant, never implied by a missing
+    claim); a contested one is nobody's until the claim is resolved. The gateway asks it of every request
+    (a key's tenant), and the operator of every LoRAAdapter on a base service in another namespace (the
+    adapter's tenant; adapter_may_use)."""
     if contested:
         return False
-    return owner is None or owner == tenant
+    if shared:
+        return True
+    return owner is not None and owner == tenant
 
 
 def adapter_may_use(adapter: Owner, base: Owner) -> bool:
     """Whether a LoRAAdapter in the namespace `adapter` describes may be served by a base service in the
-    namespace `base` describes: its own namespace always; another one only where the adapter's tenant may
-    use that namespace's services (may_use: shared, or its own), and never from a contested namespace
-    (whose tenant is nobody)."""
+    namespace `base` describes: its own namespace always; another one only for an adapter that has a
+    tenant (not unowned, not contested) and where that tenant may use the namespace's services (may_use:
+    shared, or its own)."""
     if adapter.namespace == base.namespace:
         return True
-    return not adapter.contested and may_use(adapter.tenant, base.tenant, base.contested)
+    if adapter.tenant is None:
+        return False
+    return may_use(adapter.tenant, base.tenant, contested=base.contested, shared=base.shared)
 
 
 def namespaces_claimed(spec: Mapping[str, Any], namespace_labels: NamespaceLabels) -> list[str]:

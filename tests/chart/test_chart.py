@@ -245,6 +245,7 @@ def test_dashboards_are_sidecar_configmaps(default_docs):
         ("webhook.failurePolicy=Sometimes", "failurePolicy"),
         ("webhook.certs=existingSecret", "existingSecret"),
         ("monitoring.interval=often", "interval"),
+        ("operator.hostPathRoots={models}", "hostPathRoots"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(setting, field):
@@ -337,6 +338,13 @@ def test_the_operator_keeps_pools_unless_told_not_to(default_docs):
     assert bad.returncode != 0
 
 
+def test_host_path_roots_become_the_operators_flags(default_docs):
+    # None by default: the operator then refuses every file:// model and adapterDir.
+    assert _parse(_operator_container(default_docs)).host_path_root == []
+    docs = render("--set", "operator.hostPathRoots={/var/lib/flotilla/models,/srv/adapters}")
+    assert _parse(_operator_container(docs)).host_path_root == ["/var/lib/flotilla/models", "/srv/adapters"]
+
+
 def test_the_pools_picker_reference_names_the_gateways_service(default_docs):
     # endpointPickerRef names contract.GATEWAY_SERVICE: the chart's gateway Service, in the namespace that
     # the operator reports the pools' parent in (its own, --operator-namespace).
@@ -357,20 +365,33 @@ def _containers(pod: dict) -> dict[str, dict]:
     return {c["name"]: c for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]}
 
 
-def _envoy_config_argv(pod: dict, out: Path) -> list[str]:
-    """The init container's argv (after `flotilla`), the pod IP filled in, writing to `out`."""
+ENGINE_TOKEN_FILE = "/etc/flotilla/engine-token/token"  # the chart's Secret, mounted in the gateway pod
+
+
+def _envoy_config_argv(pod: dict, out: Path, token: Path | None = None) -> list[str]:
+    """The init container's argv (after `flotilla`), the pod IP filled in, writing to `out`; with `token`,
+    the master token read from that file instead of the mounted Secret's key."""
     init = _containers(pod)["envoy-config"]
     assert init["command"] == [contract.CLI]
+    mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+    assert mounts[str(Path(ENGINE_TOKEN_FILE).parent)] == "engine-token"
     argv = [a.replace("$(POD_IP)", "10.1.2.3") for a in init["args"]]
-    assert f"--out={ENVOY_CONFIG}" in argv
-    return [f"--out={out}" if a == f"--out={ENVOY_CONFIG}" else a for a in argv]
+    assert f"--out={ENVOY_CONFIG}" in argv and f"--engine-token-file={ENGINE_TOKEN_FILE}" in argv
+    replaced: dict[str, str] = {f"--out={ENVOY_CONFIG}": f"--out={out}"}
+    if token is not None:
+        replaced[f"--engine-token-file={ENGINE_TOKEN_FILE}"] = f"--engine-token-file={token}"
+    return [replaced.get(str(a), str(a)) for a in argv]
+
+
+CHART_TEST_MASTER = "master-for-chart-tests"
 
 
 def _rendered_bootstrap(pod: dict, tmp_path: Path) -> tuple[Path, dict]:
     from flotilla.cli import main
 
-    out = tmp_path / "envoy.json"
-    assert main(_envoy_config_argv(pod, out)) == 0
+    out, token = tmp_path / "envoy.json", tmp_path / "token"
+    token.write_text(CHART_TEST_MASTER + "\n")
+    assert main(_envoy_config_argv(pod, out, token)) == 0
     return out, json.loads(out.read_text())
 
 
@@ -447,6 +468,12 @@ def test_the_init_containers_bootstrap_is_valid_for_the_real_envoy(default_docs,
     result = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0 and "OK" in result.stdout + result.stderr, result.stdout + result.stderr
+    # Envoy presents the picker's credential, adds the gateway's, and names its own pod as its node.
+    text = json.dumps(config)
+    master = CHART_TEST_MASTER
+    assert contract.picker_token(master) in text and contract.gateway_token(master) in text
+    assert config["node"]["id"] == "flotilla-gateway-10.1.2.3"
+    assert (path.stat().st_mode & 0o077) == 0  # it holds credentials: the owner's only
     # The admin is a unix socket in the pod's envoy volume: nothing on the pod's IP serves /quitquitquit.
     assert config["admin"]["address"] == {"pipe": {"path": "/etc/envoy/admin.sock"}}
     assert "socket_address" not in json.dumps(config["admin"])
@@ -533,7 +560,8 @@ def test_envoy_values_render_through(tmp_path):
     assert addresses == {"flotilla": 9090, "flotilla_stats": 9191}
     ext_proc = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
         "http_filters"
-    ][0]
+    ]
+    (ext_proc,) = [f for f in ext_proc if f["name"] == "envoy.filters.http.ext_proc"]
     assert ext_proc["typed_config"]["failure_mode_allow"] is True
     assert _parse(_containers(pod)["gateway"]).picker_port == 9999
     envoy = _containers(pod)["envoy"]

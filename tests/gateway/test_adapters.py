@@ -11,7 +11,6 @@ from flotilla.contract import LORA_ADAPTERS, prefix_block_hashes, root_block_has
 from flotilla.gateway.core.adapters import AdapterView, adapter_view
 from flotilla.gateway.core.services import (
     Ambiguous,
-    Forbidden,
     ModelIndex,
     NotFound,
     ServiceView,
@@ -28,12 +27,13 @@ from flotilla.gateway.rbac import cluster_rules
 from flotilla.gateway.router import Router
 from flotilla.ownership import Owner
 
-OWNERS = {"team-a": "a", "team-b": "b"}
+OWNERS = {"team-a": "a", "team-b": "b", "shared": "platform"}
+SHARED_TENANTS = {"platform"}  # Tenants with spec.shared: their namespaces' services are every tenant's
 
 
 def tenant_of(namespace: str) -> Owner:
     owner = OWNERS.get(namespace)
-    return Owner(namespace, (owner,) if owner else ())
+    return Owner(namespace, (owner,) if owner else (), shared=owner in SHARED_TENANTS)
 
 
 def pod(name: str, ip: str, ready: bool = True) -> dict[str, Any]:
@@ -138,12 +138,12 @@ def test_an_adapter_resolves_for_its_namespaces_tenant_only() -> None:
     assert may_use("a", idx.resolve("sql", "a"))  # type: ignore[arg-type]
 
 
-def test_another_tenants_adapter_is_forbidden_naming_nothing_of_it() -> None:
+def test_another_tenants_adapter_is_not_found_as_a_name_nobody_has() -> None:
     for model in ("secret-b", "team-b/sql", "team-b/secret-b"):
         result = index().resolve(model, "a")
-        assert isinstance(result, Forbidden) and result.status == 403
-        assert result.message == f"your API key's tenant may not use the model {model!r}"
-    assert isinstance(index().resolve("secret-b", None), Forbidden)  # no key: shared things only
+        assert isinstance(result, NotFound) and result.status == 404
+        assert result.message == f"the model {model!r} does not exist"
+    assert isinstance(index().resolve("secret-b", None), NotFound)  # no key: shared things only
 
 
 def test_an_unknown_adapter_is_not_found() -> None:
@@ -247,7 +247,7 @@ def test_the_fleet_indexes_lora_adapters_from_their_watch() -> None:
     handle(("SYNCED", {"items": [lora("team-a", "sql", base_1="Loaded")]}))
     found = fleet.index.resolve("sql", "a")
     assert isinstance(found, ServiceView) and [e.pod for e in routable(found)] == ["base-1"]
-    assert isinstance(fleet.index.resolve("sql", "b"), Forbidden)
+    assert isinstance(fleet.index.resolve("sql", "b"), NotFound)
     handle(("MODIFIED", lora("team-a", "sql", base_1="Loaded", base_2="Loaded")))
     found = fleet.index.resolve("sql", "a")
     assert isinstance(found, ServiceView) and [e.pod for e in routable(found)] == ["base-1", "base-2"]
@@ -316,14 +316,17 @@ def test_two_tenants_adapters_on_one_shared_base_each_reach_their_own_under_its_
         assert idx.resolve(f"{namespace}/sql", tenant) is found
     for model in ("team-b/sql", "only-b", "team-b/only-b"):
         refused = idx.resolve(model, "a")
-        assert isinstance(refused, Forbidden) and refused.status == 403, model
-    assert isinstance(idx.resolve("team-a/sql", "b"), Forbidden)
-    assert isinstance(idx.resolve("sql", None), Forbidden)  # no key: shared things only
+        assert isinstance(refused, NotFound) and refused.status == 404, model
+    assert isinstance(idx.resolve("team-a/sql", "b"), NotFound)
+    assert isinstance(idx.resolve("sql", None), NotFound)  # no key: shared things only
     assert isinstance(idx.resolve("team-a/nope", "a"), NotFound)
     models = dict(idx.visible_models("a"))
     assert sorted(models) == ["chat", "sql"] and idx.parent_id(models["sql"], "a") == "chat"
     base_of_b = service_view(isvc("shared", "chat", "chat"), PODS, tenant_of)
     assert idx.resolve("chat", "b") == base_of_b  # the shared base is every tenant's
+    # The shared Tenant's own key reaches the base, never the tenants' adapters on it.
+    assert idx.resolve("chat", "platform") == base_of_b
+    assert isinstance(idx.resolve("team-a/sql", "platform"), NotFound)
 
 
 def test_an_adapter_refused_a_base_it_may_not_use_is_refused_at_once() -> None:

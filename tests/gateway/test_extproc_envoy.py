@@ -27,12 +27,13 @@ from flotilla.contract import (
     GATEWAY_REQUESTS,
     GATEWAY_RETRIES,
     GATEWAY_ROUTING_DECISIONS,
+    HEADER_GATEWAY_TOKEN,
     HEADER_INTERNAL_TOKEN,
     HEADER_TENANT,
     REQUEST_SUCCESS,
     TENANT_PROMPT_TOKENS,
     counter_total,
-    engine_token,
+    gateway_token,
 )
 from flotilla.gateway.core.rate_limit import RateLimits
 from flotilla.gateway.core.services import Endpoint
@@ -99,6 +100,7 @@ def make_envoy(tmp_path) -> Iterator:
     started: list[EnvoyProcess] = []
 
     def make(picker_port: int, **options) -> EnvoyProcess:
+        options = {"master_token": MASTER, "node_id": f"envoy-{len(started)}"} | options
         config = bootstrap(
             picker_host="127.0.0.1", picker_port=picker_port, max_body_bytes=MAX_BODY, **options
         )
@@ -204,8 +206,7 @@ def test_keys_tenants_and_bad_input_are_refused_through_envoy_as_the_relay_refus
     unauthorized = post(front, chat_body("hi"), key="fl-wrong")
     assert_error(unauthorized, 401, "invalid_api_key", "invalid API key")
     assert unauthorized.headers["www-authenticate"] == "Bearer"
-    forbidden = assert_error(post(front, chat_body("hi") | {"model": "theirs"}), 403, "model_forbidden")
-    assert "team-b" not in forbidden["message"] and "ns-team-b" not in forbidden["message"]
+    assert_error(post(front, chat_body("hi") | {"model": "theirs"}), 404, "model_not_found", "'theirs'")
     assert_error(post(front, chat_body("hi") | {"model": "nothing"}), 404, "model_not_found", "'nothing'")
     assert_error(post(front, b"{not json"), 400, "invalid_json", "not valid JSON")
     assert_error(post(front, {"messages": []}), 400, "invalid_model", "'model' is required")
@@ -218,7 +219,7 @@ def test_keys_tenants_and_bad_input_are_refused_through_envoy_as_the_relay_refus
         post(front, chat_body("hi"), path="/v1/embeddings"), 404, "unknown_url", "POST /v1/embeddings"
     )
     assert total(engine.url, counter_total(REQUEST_SUCCESS)) == 0  # none of it reached the engine
-    assert codes(front) == {"401": 2, "403": 1, "404": 2, "400": 2, "413": 2}
+    assert codes(front) == {"401": 2, "404": 3, "400": 2, "413": 2}
 
 
 def test_a_tenant_past_its_request_rate_gets_429_with_retry_after_through_envoy(engines, make_front):
@@ -285,14 +286,16 @@ def test_the_destination_header_and_the_trusted_headers_reach_the_picked_engine(
 ):
     front = make_front(HandSetFleet([service("chat", [recording.url])]), {"body_mode": body_mode})
     spoofed = {"Authorization": f"Bearer {KEY_A}", HEADER_TENANT: "team-b", "X-Flotilla-Anything": "1",
-               DESTINATION_ENDPOINT_HEADER: "10.9.9.9:1"}  # fmt: skip
+               DESTINATION_ENDPOINT_HEADER: "10.9.9.9:1", HEADER_GATEWAY_TOKEN: "forged"}  # fmt: skip
     answer = httpx.post(front.url + "/v1/chat/completions", json=chat_body("hi") | {"model": "ns-team-a/chat"},
                         headers=spoofed, timeout=60, trust_env=False)  # fmt: skip
     assert answer.status_code == 200, answer.text
     seen = recording.seen[-1]
     assert seen[DESTINATION_ENDPOINT_HEADER] == recording.address  # the picker's, not the client's
     assert seen[HEADER_TENANT.lower()] == "team-a"
-    assert seen[HEADER_INTERNAL_TOKEN.lower()] == engine_token(MASTER, "ns-team-a")
+    # The gateway's credential, added by Envoy's route (the client's spoofed one replaced), and no other.
+    assert seen[HEADER_GATEWAY_TOKEN.lower()] == gateway_token(MASTER)
+    assert HEADER_INTERNAL_TOKEN.lower() not in seen
     assert "authorization" not in seen and "x-flotilla-anything" not in seen
     # The body names the served model, whole (sent with its new length, or chunked in full-duplex mode).
     assert json.loads(recording.bodies[-1]) == chat_body("hi")
@@ -526,7 +529,7 @@ def test_the_picker_down_is_a_clear_5xx_with_fail_close_and_passes_through_with_
     publisher = front.picker.endpoints
     assert publisher is not None
     # Both Envoys have applied the engines' endpoints (EDS) before the picker goes.
-    wait_for(lambda: publisher.subscribers == 2 and address in (publisher.acked() or ()),
+    wait_for(lambda: publisher.subscribers == 2 and all(address in (publisher.acked(f"envoy-{i}") or ()) for i in (0, 1)),
              what="both Envoys to apply the engines' endpoints")  # fmt: skip
     assert post(front, chat_body("up")).status_code == 200
     stopped = threading.Event()

@@ -10,9 +10,14 @@ import pytest
 from flotilla.contract import (
     DESTINATION_ENDPOINT_HEADER,
     DESTINATION_METADATA_NAMESPACE,
+    ENVOY_NODE_METADATA,
+    HEADER_GATEWAY_TOKEN,
     HEADER_TENANT,
+    PICKER_TOKEN_METADATA,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
+    gateway_token,
+    picker_token,
 )
 from flotilla.gateway.config import HOLD_MARGIN_SECONDS
 from flotilla.gateway.errors import GatewayError
@@ -113,14 +118,29 @@ def test_health_statuses():
 
 
 def test_the_bootstrap_wires_ext_proc_to_the_picker_and_the_router_to_the_picked_endpoint():
-    config = bootstrap(picker_host="10.0.0.9", picker_port=9002, failure_mode="FailClose", hold_timeout=100)
+    config = bootstrap(picker_host="10.0.0.9", picker_port=9002, failure_mode="FailClose", hold_timeout=100,
+                       master_token="m", node_id="gw-1")  # fmt: skip
     listener = config["static_resources"]["listeners"][0]
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in manager["http_filters"]]
-    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    ext_proc = manager["http_filters"][0]["typed_config"]
+    assert names == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    # A client's own tenant and gateway credential go before the picker sees the request.
+    removed = manager["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
+    assert removed == [{"remove": HEADER_TENANT.lower()}, {"remove": HEADER_GATEWAY_TOKEN.lower()}]
+    ext_proc = manager["http_filters"][1]["typed_config"]
     assert ext_proc["failure_mode_allow"] is False
-    assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == PICKER_CLUSTER
+    picker_service = {
+        "envoy_grpc": {"cluster_name": PICKER_CLUSTER},
+        "initial_metadata": [
+            {"key": PICKER_TOKEN_METADATA, "value": picker_token("m")},
+            {"key": ENVOY_NODE_METADATA, "value": "gw-1"},
+        ],
+    }
+    assert ext_proc["grpc_service"] == picker_service
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert ext_proc["max_message_timeout"] == f"{100 + HOLD_MARGIN_SECONDS:g}s"
     assert ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"] == [SUBSET_HINT_NAMESPACE]
@@ -130,22 +150,30 @@ def test_the_bootstrap_wires_ext_proc_to_the_picker_and_the_router_to_the_picked
     # The engines come from the picker (EDS); override-host sends a request to the pick, then its fallback.
     assert engines["type"] == "EDS"
     eds = engines["eds_cluster_config"]["eds_config"]["api_config_source"]
-    assert eds["grpc_services"] == [{"envoy_grpc": {"cluster_name": PICKER_CLUSTER}}]
+    assert eds["grpc_services"] == [picker_service]
     override = engines["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert override["name"] == "envoy.load_balancing_policies.override_host"
     sources = override["typed_config"]["override_host_sources"]
     assert {"header": DESTINATION_ENDPOINT_HEADER} in sources
-    route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    entry = manager["route_config"]["virtual_hosts"][0]["routes"][0]
+    # The gateway's credential is the route's own header: a client's is removed first, then Envoy's added.
+    assert entry["request_headers_to_remove"] == [HEADER_GATEWAY_TOKEN.lower()]
+    (added,) = entry["request_headers_to_add"]
+    assert added["header"] == {"key": HEADER_GATEWAY_TOKEN.lower(), "value": gateway_token("m")}
+    route = entry["route"]
     assert (
         route["retry_policy"]["num_retries"] == 1 and 503 in route["retry_policy"]["retriable_status_codes"]
     )
-    assert config["node"]["id"]  # xDS needs a node identity
+    assert config["node"]["id"] == "gw-1"  # xDS needs a node identity; the picker keeps nodes apart
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     opened = bootstrap(picker_host="flotilla-gateway", picker_port=9002, failure_mode="FailOpen")
     opened_manager = opened["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"
     ]
-    assert opened_manager["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
+    assert opened_manager["http_filters"][1]["typed_config"]["failure_mode_allow"] is True
+    # Without a master token: no credential anywhere, and a client's is still removed.
+    assert PICKER_TOKEN_METADATA not in json.dumps(opened)
+    assert "request_headers_to_add" not in opened_manager["route_config"]["virtual_hosts"][0]["routes"][0]
     assert opened["static_resources"]["clusters"][0]["type"] == "STRICT_DNS"
     with pytest.raises(ValueError, match="failure_mode"):
         bootstrap(picker_host="x", picker_port=1, failure_mode="Sometimes")  # type: ignore[arg-type]

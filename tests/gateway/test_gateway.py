@@ -36,6 +36,8 @@ from flotilla.contract import (
     api_key_digest,
     counter_total,
     engine_token,
+    gateway_token,
+    token_digest,
 )
 from flotilla.gateway.app import Gateway, build_app
 from flotilla.gateway.config import GatewaySettings
@@ -47,6 +49,11 @@ from flotilla.gateway.fleet import Fleet
 from ..engine.server.conftest import MODEL_NAME
 
 MASTER = "master-token-for-tests"
+# What the operator gives an engine pod of namespace ns-team-a (desired/workload.py).
+ENGINE_TRUST = {
+    "internal_token": engine_token(MASTER, "ns-team-a"),
+    "gateway_token_sha256": token_digest(gateway_token(MASTER)),
+}
 KEY_A, KEY_B = "fl-key-of-team-a", "fl-key-of-team-b"
 SYSTEM = "You are a terse assistant who answers in one word. " * 4
 
@@ -129,8 +136,9 @@ def make_gateway() -> Iterator:
 
 @pytest.fixture
 def engines(make_server):
-    """Two engine replicas that accept the tenant header with namespace ns-team-a's internal token."""
-    return [make_server(internal_token=engine_token(MASTER, "ns-team-a")) for _ in range(2)]
+    """Two engine replicas of namespace ns-team-a: the tenant header only with the gateway's credential
+    (they hold its digest), adapter loads with the namespace's internal token."""
+    return [make_server(**ENGINE_TRUST) for _ in range(2)]
 
 
 def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -242,15 +250,31 @@ def test_a_client_that_disconnects_aborts_the_upstream_request(engines, make_gat
 
 
 # -- who may ask, how often --------------------------------------------------------------------------------
+def test_another_tenants_model_is_not_found_as_a_name_nobody_has(engines, make_gateway):
+    """A key cannot tell another tenant's names from names nobody has: the same status, headers and body
+    (the name it sent in place), by bare name and by `namespace/name`, through the relay."""
+    engine = engines[0]
+    theirs = service("theirs", [engine.url], tenant="team-b", served_name="theirs")
+    gateway = make_gateway(HandSetFleet([service("chat", [engine.url]), theirs]))
+
+    def answer(model: str) -> tuple[int, dict, str]:
+        resp = post(gateway, chat_body("hi") | {"model": model})
+        headers = {k: v for k, v in resp.headers.items() if k not in ("date", "content-length")}
+        return resp.status_code, headers, resp.text.replace(model, "NAME")
+
+    for existing, absent in (("theirs", "nobodys"), ("ns-team-b/theirs", "ns-team-b/nobodys")):
+        assert answer(existing) == answer(absent), existing
+        assert answer(existing)[0] == 404
+    assert total(engine.url, counter_total(REQUEST_SUCCESS)) == 0
+
+
 def test_keys_tenants_and_bad_input_are_refused_before_any_engine_call(engines, make_gateway):
     engine = engines[0]
     other = service("theirs", [engine.url], tenant="team-b", served_name="theirs")
     gateway = make_gateway(HandSetFleet([service("chat", [engine.url]), other]), max_body_bytes=4096)
     assert_error(post(gateway, chat_body("hi"), key=None), 401, "invalid_api_key", "missing API key")
     assert_error(post(gateway, chat_body("hi"), key="fl-wrong"), 401, "invalid_api_key", "invalid API key")
-    forbidden = assert_error(post(gateway, chat_body("hi") | {"model": "theirs"}), 403, "model_forbidden")
-    assert "team-b" not in forbidden["message"] and "ns-team-b" not in forbidden["message"]
-    assert_error(post(gateway, chat_body("hi") | {"model": "ns-team-b/theirs"}), 403, "model_forbidden")
+    assert_error(post(gateway, chat_body("hi") | {"model": "theirs"}), 404, "model_not_found", "'theirs'")
     assert_error(post(gateway, chat_body("hi") | {"model": "nothing"}), 404, "model_not_found", "'nothing'")
     assert_error(post(gateway, b"{not json"), 400, "invalid_json", "not valid JSON")
     assert_error(post(gateway, b"[1, 2]"), 400, "invalid_json", "JSON object")
@@ -261,7 +285,7 @@ def test_keys_tenants_and_bad_input_are_refused_before_any_engine_call(engines, 
     assert [m["id"] for m in listed["data"]] == ["theirs"]
     assert total(engine.url, counter_total(REQUEST_SUCCESS)) == 0  # none of it reached the engine
     codes = {labels["code"]: v for labels, v in samples(gateway.url, counter_total(GATEWAY_REQUESTS))}
-    assert codes == {"401": 2, "403": 2, "404": 1, "400": 3, "413": 1}
+    assert codes == {"401": 2, "404": 2, "400": 3, "413": 1}
 
 
 def test_a_tenant_past_its_request_rate_gets_429_with_retry_after(engines, make_gateway):

@@ -9,7 +9,6 @@ from flotilla.gateway.core.services import (
     DEFAULT_BLOCK_SIZE,
     Ambiguous,
     Endpoint,
-    Forbidden,
     ModelIndex,
     NotFound,
     ServiceView,
@@ -20,12 +19,13 @@ from flotilla.gateway.core.services import (
 )
 from flotilla.ownership import Owner
 
-OWNERS = {"team-a": "a", "team-a-dev": "a", "team-b": "b", "secret-lab-b": "b"}
+OWNERS = {"team-a": "a", "team-a-dev": "a", "team-b": "b", "secret-lab-b": "b", "shared": "platform"}
+SHARED_TENANTS = {"platform"}  # Tenants with spec.shared: their namespaces' services are every tenant's
 
 
 def tenant_of(namespace: str) -> Owner:
     owner = OWNERS.get(namespace)
-    return Owner(namespace, (owner,) if owner else ())
+    return Owner(namespace, (owner,) if owner else (), shared=owner in SHARED_TENANTS)
 
 
 def isvc(namespace: str, name: str, **spec: Any) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def test_view_reads_the_fields_routing_needs() -> None:
 def test_view_defaults() -> None:
     service = service_view(isvc("shared", "tiny"), [pod("p", "fd00::5")], tenant_of)
     assert service.served_name == "tiny"  # the metadata name when servedName is unset
-    assert service.tenant is None
+    assert service.tenant == "platform" and service.shared  # the shared Tenant owns it, every tenant uses it
     assert service.min_replicas is None and not scales_from_zero(service)
     assert service.gpus_per_replica == 1
     assert service.block_size is None and service.effective_block_size == DEFAULT_BLOCK_SIZE == 16
@@ -153,6 +153,7 @@ def index() -> ModelIndex:
             view("secret-lab-b", "b-only", served="b-model"),
             view("shared", "tiny"),
             view("team-a", "solo", served="org/solo"),
+            view("unowned", "orphan"),
         ]
     )
 
@@ -161,7 +162,17 @@ def test_may_use() -> None:
     assert may_use("a", view("team-a", "x"))
     assert not may_use("b", view("team-a", "x"))
     assert may_use("b", view("shared", "x")) and may_use(None, view("shared", "x"))
-    assert not may_use(None, view("team-a", "x"))
+    assert may_use("platform", view("shared", "x"))
+    assert not may_use(None, view("team-a", "x")) and not may_use("platform", view("team-a", "x"))
+    # A namespace no Tenant claims is nobody's: sharing is granted by a shared Tenant, never implied.
+    assert not any(may_use(t, view("unowned", "x")) for t in ("a", "b", "platform", None))
+
+
+def test_a_service_in_an_unowned_namespace_is_not_found_for_every_tenant_and_listed_for_none() -> None:
+    for tenant in ("a", "b", "platform", None):
+        for model in ("orphan", "unowned/orphan"):
+            assert isinstance(index().resolve(model, tenant), NotFound), (tenant, model)
+        assert all(s.namespace != "unowned" for _, s in index().visible_models(tenant))
 
 
 def test_namespace_slash_name_selects_that_service() -> None:
@@ -182,14 +193,14 @@ def test_ambiguous_lists_only_the_callers_candidates() -> None:
     assert "team-b" not in result.message and "private" not in result.message
 
 
-def test_another_tenants_service_is_forbidden_without_naming_it() -> None:
+def test_another_tenants_service_is_not_found_as_a_name_nobody_has() -> None:
     for model in ("b-model", "secret-lab-b/b-only"):
         result = index().resolve(model, "a")
-        assert isinstance(result, Forbidden) and result.status == 403
+        assert isinstance(result, NotFound) and result.status == 404
         # Only what the client sent: not the owner, its namespaces or its other services.
-        assert result.message == f"your API key's tenant may not use the model {model!r}"
+        assert result.message == f"the model {model!r} does not exist"
     bare = index().resolve("b-model", "a")
-    assert isinstance(bare, Forbidden)
+    assert isinstance(bare, NotFound)
     assert not any(leak in bare.message for leak in ("secret-lab", "team-b", "b-only", "private"))
 
 

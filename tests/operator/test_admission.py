@@ -36,6 +36,7 @@ from flotilla.operator.tenancy.reservations import (
 )
 
 TENANT = TenantSpec(namespaces=["a"], gpu_quota={"h100": 4}, max_services=3)
+ROOTS = ("/m",)  # the host-path roots the operator allows, for the file:///m models below
 
 
 def spec(**kw) -> InferenceServiceSpec:
@@ -175,13 +176,13 @@ def test_the_webhook_refuses_min_over_max_with_the_reconcilers_own_message():
     raw = {"model": {"uri": "file:///m"}, "resources": {"gpus": 1, "gpuType": "h100"},
            "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}  # fmt: skip
     obj = {"metadata": {"name": "s", "namespace": "a", "uid": "u"}, "spec": raw}
-    world = World(config=OperatorConfig(), now="2026-01-01T00:00:00Z", gpu_types={"h100"},
+    world = World(config=OperatorConfig(host_path_roots=ROOTS), now="2026-01-01T00:00:00Z", gpu_types={"h100"},
                   tenants={"team-a": TENANT}, held_by_others=[], deployment=None, path_exists=lambda _: True)  # fmt: skip
     valid = next(c for c in plan(obj, world).status["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False"
 
     verdict, held = review_service(key=("a", "s"), new_raw=raw, old_raw=None, tenant="team-a",
-                                   tenant_spec=TENANT, others=[])  # fmt: skip
+                                   tenant_spec=TENANT, others=[], host_path_roots=ROOTS)  # fmt: skip
     assert not verdict.allowed and held is None and verdict.code == 422
     assert (
         verdict.message
@@ -193,7 +194,7 @@ def test_the_webhook_refuses_min_over_max_with_the_reconcilers_own_message():
     # Within quota otherwise: once fixed, the same service is admitted and charged maxReplicas.
     fixed = {**raw, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}}
     verdict, held = review_service(key=("a", "s"), new_raw=fixed, old_raw=raw, tenant="team-a",
-                                   tenant_spec=TENANT, others=[])  # fmt: skip
+                                   tenant_spec=TENANT, others=[], host_path_roots=ROOTS)  # fmt: skip
     assert verdict.allowed and held == Held(("a", "s"), "team-a", "h100", 2)
 
 
@@ -202,7 +203,7 @@ def test_an_unchanged_invalid_spec_is_not_judged_again():
     must pass, or it could never be deleted."""
     raw = {"model": {"uri": "file:///m"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}
     verdict, _ = review_service(key=("a", "s"), new_raw=raw, old_raw=dict(raw), tenant="team-a",
-                                tenant_spec=TENANT, others=[])  # fmt: skip
+                                tenant_spec=TENANT, others=[], host_path_roots=ROOTS)  # fmt: skip
     assert verdict.allowed
 
 
@@ -423,7 +424,10 @@ def test_each_kinds_review_keeps_the_other_kinds_reservations_and_drops_the_expi
     raw = {"model": {"uri": "file:///m"}, "resources": {"gpus": 1, "gpuType": "h100"}}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(webhook_reviews, "time", SimpleNamespace(time=lambda: 1000.0, sleep=lambda _: None))
-        turns.run([lambda: webhook_reviews._admit(ledger, "a", "s2", "uid-s2", raw, None, dryrun=False)])
+        admit = webhook_reviews._admit
+        turns.run(
+            [lambda: admit(ledger, "a", "s2", "uid-s2", raw, None, dryrun=False, host_path_roots=ROOTS)]
+        )
         after_service = parse("t", ledger.data)
         turns.run([lambda: webhook_reviews._admit_adapter(ledger, ("a", "z"), "uid-z", dryrun=False)])
     assert sorted(a.key for a in after_service.adapters) == [("a", "y")]
@@ -460,7 +464,9 @@ def _race(turns: Interleaving, limit: int, already: int, creates: int, gpu_creat
         def create() -> None:
             raw = {"model": {"uri": "file:///m"}, "resources": {"gpus": 1, "gpuType": "h100"}}
             try:
-                webhook_reviews._admit(ledger, "a", f"s{i}", f"uid-s{i}", raw, None, dryrun=False)
+                webhook_reviews._admit(
+                    ledger, "a", f"s{i}", f"uid-s{i}", raw, None, dryrun=False, host_path_roots=ROOTS
+                )
             except kopf.AdmissionError:
                 return
             turns.step()

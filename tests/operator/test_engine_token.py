@@ -9,7 +9,15 @@ import dataclasses
 import pytest
 
 from flotilla.cli import build_parser
-from flotilla.contract import ENGINE_TOKEN_SECRET, ENGINE_TOKEN_SECRET_KEY, ENV_INTERNAL_TOKEN, engine_token
+from flotilla.contract import (
+    ENGINE_TOKEN_SECRET,
+    ENGINE_TOKEN_SECRET_KEY,
+    ENV_GATEWAY_TOKEN_SHA256,
+    ENV_INTERNAL_TOKEN,
+    engine_token,
+    gateway_token,
+    token_matches,
+)
 from flotilla.operator.api.v1alpha1 import TenantSpec
 from flotilla.operator.cmd.cli import read_engine_token
 from flotilla.operator.config import OperatorConfig
@@ -28,7 +36,8 @@ def _env(dep: dict) -> dict[str, dict]:
 
 def test_without_a_master_token_nothing_changes(owner, decision, config, make_spec):
     assert config.engine_token_master is None
-    assert ENV_INTERNAL_TOKEN not in _env(deployment(owner, make_spec(), decision, config))
+    env = _env(deployment(owner, make_spec(), decision, config))
+    assert ENV_INTERNAL_TOKEN not in env and ENV_GATEWAY_TOKEN_SHA256 not in env
     assert shared_objects("team-a", config) == []
 
 
@@ -40,6 +49,16 @@ def test_the_engine_reads_its_token_from_the_namespace_secret(owner, decision, c
         "valueFrom": {"secretKeyRef": {"name": ENGINE_TOKEN_SECRET, "key": ENGINE_TOKEN_SECRET_KEY}},
     }
     assert MASTER not in str(deployment(owner, make_spec(), decision, config))
+
+
+def test_the_pod_spec_holds_only_the_digest_of_the_gateways_credential(owner, decision, config, make_spec):
+    config = dataclasses.replace(config, engine_token_master=MASTER)
+    dep = deployment(owner, make_spec(), decision, config)
+    digest = _env(dep)[ENV_GATEWAY_TOKEN_SHA256]["value"]
+    assert token_matches(gateway_token(MASTER), digest)
+    assert gateway_token(MASTER) not in str(dep)  # the credential itself is nowhere in the spec
+    assert not token_matches(digest, digest)
+    assert gateway_token(MASTER) != engine_token(MASTER, "team-a")  # not any namespace's operator token
 
 
 @pytest.mark.parametrize("namespace", ["team-a", "team-b"])
@@ -64,7 +83,7 @@ def _plan(config: OperatorConfig):
         "spec": {"model": {"uri": "file:///models/tiny"}, "resources": {"gpus": 1, "gpuType": "h100"}},
     }
     world = World(
-        config=config,
+        config=dataclasses.replace(config, host_path_roots=("/models",)),
         now="2030-01-01T00:00:00Z",
         gpu_types={"h100"},
         tenants={"team-a": TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 4})},

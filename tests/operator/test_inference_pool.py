@@ -27,7 +27,7 @@ NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T00:05:00Z"
 OWNER = Owner(name="chat", namespace="team-a", uid="0b5c-uid")
 DECISION = Decision(tenant="team-a", replicas=2)
-CONFIG = OperatorConfig()
+CONFIG = OperatorConfig(host_path_roots=("/models",))
 PICKER = {"metadata": {"name": GATEWAY_SERVICE}, "spec": {"ports": [{"name": "grpc", "port": PICKER_PORT}]}}
 
 
@@ -191,12 +191,16 @@ def test_plan_applies_the_pool_after_the_workload():
 
 
 def test_no_pool_when_turned_off_or_for_an_invalid_spec():
-    off = plan(_obj(), _world(config=OperatorConfig(inference_pools=False)))
+    off = plan(_obj(), _world(config=OperatorConfig(host_path_roots=("/models",), inference_pools=False)))
     assert "InferencePool" not in [c["kind"] for c in off.children]
     observed = _observed(inference_pool(OWNER, DECISION))
     assert (
         plan(
-            _obj(), _world(config=OperatorConfig(inference_pools=False), inference_pool=observed)
+            _obj(),
+            _world(
+                config=OperatorConfig(host_path_roots=("/models",), inference_pools=False),
+                inference_pool=observed,
+            ),
         ).pool_status
         is None
     )

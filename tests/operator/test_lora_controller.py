@@ -347,8 +347,13 @@ def test_loads_and_unloads_carry_the_namespaces_internal_token_when_engines_have
 
 
 # -- a base service in another namespace ---------------------------------------------------------------------
-SHARED = "shared"  # claimed by no Tenant: its services are every tenant's
-TENANTS = {"acme": {"namespaces": [NS, "team-a2"]}, "beta": {"namespaces": ["team-b"]}}
+SHARED = "shared"  # the platform's shared Tenant's (spec.shared): its services are every tenant's
+UNOWNED = "nobodys"  # claimed by no Tenant: nobody's, not shared
+TENANTS = {
+    "acme": {"namespaces": [NS, "team-a2"]},
+    "beta": {"namespaces": ["team-b"]},
+    "platform": {"namespaces": [SHARED], "shared": True},
+}
 
 
 def _shared_indexes(pods: list[dict], base_ns: str = SHARED, tenants: dict | None = None) -> dict:
@@ -358,7 +363,7 @@ def _shared_indexes(pods: list[dict], base_ns: str = SHARED, tenants: dict | Non
         "services": {(base_ns, BASE): base},
         "pods": {(base_ns, BASE): pods},
         "tenants": {name: [spec] for name, spec in (tenants or TENANTS).items()},
-        "namespace_labels": {ns: [{}] for ns in (NS, "team-a2", "team-b", SHARED)},
+        "namespace_labels": {ns: [{}] for ns in (NS, "team-a2", "team-b", SHARED, UNOWNED)},
     }
 
 
@@ -398,19 +403,36 @@ def test_a_base_in_another_tenants_or_a_contested_namespace_is_refused_in_status
     contested = {**TENANTS, "gamma": {"namespaces": [SHARED]}, "delta": {"namespaces": [SHARED]}}
     status = _round(memo, _shared_body(), _shared_indexes(pods, SHARED, contested))
     assert {c["type"]: c for c in status["conditions"]}["Ready"]["reason"] == "BaseNotShared"
+    # A namespace no Tenant claims is not shared: nobody's base.
+    status = _round(memo, _shared_body(UNOWNED), _shared_indexes(pods, UNOWNED))
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert (
+        ready["reason"] == "BaseNotShared" and f"namespace {UNOWNED} belongs to no tenant" in ready["message"]
+    )
+    assert "spec.shared: true" in ready["message"]  # the rule says how sharing is granted
+    assert status["replicas"] == [] and engines.of("http://127.7.2.1:8000/v1").calls == []
     # Another namespace of the adapter's own tenant is its own to use.
     status = _round(memo, _shared_body("team-a2"), _shared_indexes(pods, "team-a2"))
     assert status["servedName"] == f"{NS}/{NAME}" and status["loadedReplicas"] == 1
 
 
-def test_an_adapter_whose_shared_base_namespace_changes_owner_is_unloaded_there(engines) -> None:
-    """Admitted on a shared base, then that namespace is claimed by another tenant: the next round refuses
-    it (BaseNotShared) and unloads it from the base's engines."""
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"platform": {"namespaces": [SHARED]}},  # the platform team revokes the sharing (spec.shared unset)
+        # moved to another tenant
+        {"platform": {"namespaces": []}, "beta": {"namespaces": ["team-b", SHARED]}},
+        {"platform": {"namespaces": []}},  # released: claimed by no Tenant, so nobody's
+    ],
+)
+def test_an_adapter_whose_shared_base_namespace_changes_owner_is_unloaded_there(engines, changed) -> None:
+    """Admitted on a shared base, then that namespace stops being shared: the next round refuses it
+    (BaseNotShared) and unloads it from the base's engines."""
     memo, pods = _memo(), [_pod("s0", "127.7.1.1")]
     status = _round(memo, _shared_body(), _shared_indexes(pods))
     engine = engines.of("http://127.7.1.1:8000/v1")
     assert engine.served == {f"{NS}/{NAME}": "/adapters/sql"}
-    claimed = {**TENANTS, "beta": {"namespaces": ["team-b", SHARED]}}
+    claimed = {**TENANTS, **changed}
     status = _round(memo, _shared_body(status=status), _shared_indexes(pods, SHARED, claimed))
     assert {c["type"]: c for c in status["conditions"]}["Ready"]["reason"] == "BaseNotShared"
     assert engine.served == {} and status["replicas"] == []
@@ -436,7 +458,9 @@ def _sharing_memo() -> SimpleNamespace:
 
     class Ledger(FakeLedger):
         def world(self) -> World:
-            return World(tenants=self.tenants, labels={ns: {} for ns in (NS, "team-a2", "team-b", SHARED)})
+            return World(
+                tenants=self.tenants, labels={ns: {} for ns in (NS, "team-a2", "team-b", SHARED, UNOWNED)}
+            )
 
     runtime = SimpleNamespace(kube=SimpleNamespace(custom=_custom([])))
     return SimpleNamespace(admission=Ledger(tenants), runtime=runtime)
@@ -462,7 +486,8 @@ def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:
         given: dict = {"body": body, "old": old, "namespace": namespace, "name": NAME, "memo": memo}
         webhook_reviews.admit_adapter(**given)
 
-    admit(SHARED)  # claimed by no Tenant
+    admit(SHARED)  # the platform's shared Tenant's: every tenant's
+    admit(SHARED, namespace="team-b")  # another tenant's adapter on the same shared base
     admit("team-a2")  # the tenant's own
     admit(NS)  # its own namespace, named
     with pytest.raises(kopf.AdmissionError) as refused:
@@ -474,6 +499,10 @@ def test_the_webhook_refuses_a_base_namespace_the_tenant_may_not_use() -> None:
     )
     with pytest.raises(kopf.AdmissionError, match="spec.serviceNamespace 'team-b'"):
         admit("team-b", old={"spec": {"inferenceService": BASE, "source": SOURCE}})  # an update moving it
-    with pytest.raises(kopf.AdmissionError, match="the adapter's namespace unowned to none"):
-        admit("team-b", namespace="unowned")
-    admit(SHARED, namespace="unowned")
+    # A namespace no Tenant claims is nobody's: not a base for anyone, and its adapters use no other's base.
+    with pytest.raises(kopf.AdmissionError, match=f"namespace {UNOWNED} belongs to no tenant, so nobody may"):
+        admit(UNOWNED)
+    assert (UNOWNED, BASE) not in read
+    for base_ns in ("team-b", SHARED):
+        with pytest.raises(kopf.AdmissionError, match="the adapter's namespace unowned belongs to no tenant"):
+            admit(base_ns, namespace="unowned")

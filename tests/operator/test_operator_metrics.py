@@ -16,6 +16,7 @@ from prometheus_client.utils import floatToGoString
 from flotilla import contract
 from flotilla.operator.api.v1alpha1 import MeteringLedger, TenantSpec, TenantStatus
 from flotilla.operator.clients.quota_ledger import World
+from flotilla.operator.config import OperatorConfig
 from flotilla.operator.controllers import webhook_reviews
 from flotilla.operator.controllers.sync import _write
 from flotilla.operator.desired.status import service_figures
@@ -194,7 +195,8 @@ def admit(body: dict, namespace: str, name: str, memo: kopf.Memo, dryrun: bool =
 
 def test_admission_refusals_are_counted_by_tenant_and_reason():
     spec = {"gpuQuota": {"h100": 2}, "namespaces": ["team-m"]}
-    memo = kopf.Memo(admission=MemoryLedger({"metrics-t": spec}))
+    runtime = SimpleNamespace(config=OperatorConfig(host_path_roots=("/m",)))  # the webhook reads only that
+    memo = kopf.Memo(admission=MemoryLedger({"metrics-t": spec}), runtime=runtime)
     body = {
         "spec": {
             "model": {"uri": "file:///m"},

@@ -20,7 +20,7 @@ def _obj(spec, status=None, generation=1):
 
 def _world(**kw):
     base = dict(
-        config=OperatorConfig(),
+        config=OperatorConfig(host_path_roots=("/models",)),
         now=NOW,
         gpu_types={"h100"},
         tenants={"team-a": TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 4})},

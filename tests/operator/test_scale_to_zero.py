@@ -240,7 +240,7 @@ def test_a_quota_refusal_at_zero_shows_in_the_service_status():
         "status": {},
     }
     world = World(
-        config=OperatorConfig(),
+        config=OperatorConfig(host_path_roots=("/models",)),
         now="2030-01-01T00:00:00Z",
         gpu_types={"h100"},
         tenants={"team-a": TenantSpec(namespaces=["team-a"], gpu_quota={"h100": 0})},

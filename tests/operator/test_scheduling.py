@@ -82,8 +82,9 @@ def _obj(engine: dict) -> dict:
 
 
 def _world(tenants) -> World:
-    return World(config=OperatorConfig(), now="2026-01-01T00:00:00Z", gpu_types={"h100"}, tenants=tenants,
-                 held_by_others=[], deployment=None, path_exists=lambda _p: True)  # fmt: skip
+    return World(config=OperatorConfig(host_path_roots=("/models",)), now="2026-01-01T00:00:00Z",
+                 gpu_types={"h100"}, tenants=tenants, held_by_others=[], deployment=None,
+                 path_exists=lambda _p: True)  # fmt: skip
 
 
 def test_the_plan_renders_every_tenants_weight_for_fair_services_only():

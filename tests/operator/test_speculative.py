@@ -295,7 +295,7 @@ def test_the_webhook_refuses_each_combination_in_the_same_words():
         "engine": {"quantizationGroupSize": 32, "speculative": {"method": "draft"}},
     }
     verdict, held = review_service(key=("a", "s"), new_raw=raw, old_raw=None, tenant=None, tenant_spec=None,
-                                   others=[])  # fmt: skip
+                                   others=[], host_path_roots=("/m",))  # fmt: skip
     assert not verdict.allowed and held is None and verdict.code == 422
     assert verdict.reason == "InvalidQuantization"
     assert verdict.message == (

@@ -1,5 +1,5 @@
-"""The tenant of a request: named by the gateway in HEADER_TENANT with the internal token, else the
-engine's own; refused (403/400) otherwise, holding nothing; counted per tenant in /metrics under a
+"""The tenant of a request: named by the gateway in HEADER_TENANT with the gateway's credential (the
+engine holds its SHA-256), else the engine's own; refused (403/400) otherwise, holding nothing; counted per tenant in /metrics under a
 bounded number of labels; and the scheduling flags that go with it."""
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flotilla.contract import (
+    ENV_GATEWAY_TOKEN_SHA256,
     ENV_INTERNAL_TOKEN,
     ENV_TENANT,
     FLAG_SCHEDULING_POLICY,
     FLAG_TENANT_WEIGHTS,
+    HEADER_GATEWAY_TOKEN,
     HEADER_INTERNAL_TOKEN,
     HEADER_TENANT,
     LABEL_TENANT,
@@ -28,10 +30,12 @@ from flotilla.contract import (
     TENANT_TIME_TO_FIRST_TOKEN,
     TENANT_VIRTUAL_TOKEN_COUNTER,
     counter_total,
+    token_digest,
 )
 
 MODEL = "tiny"
 TOKEN = "gateway-secret"
+DIGEST = token_digest(TOKEN)  # what the engine holds
 PROMPT = "count me in"
 TTFT_COUNT = TENANT_TIME_TO_FIRST_TOKEN + "_count"
 
@@ -55,7 +59,7 @@ def by_tenant(metrics: dict, name: str) -> dict[str, float]:
 
 
 def as_tenant(tenant: str, token: str | None = TOKEN) -> dict[str, str]:
-    return {HEADER_TENANT: tenant} | ({HEADER_INTERNAL_TOKEN: token} if token is not None else {})
+    return {HEADER_TENANT: tenant} | ({HEADER_GATEWAY_TOKEN: token} if token is not None else {})
 
 
 def completion(client: httpx.Client, headers: dict | None = None, max_tokens: int = 2, **body):
@@ -110,7 +114,7 @@ def client_of():
 # -- who a request is served for ---------------------------------------------------------------------------
 def test_named_tenant_is_counted_under_it_and_unnamed_under_the_engines(make_server, monkeypatch, client_of):
     monkeypatch.setenv(ENV_TENANT, "pod-team")
-    server = make_server(internal_token=TOKEN)
+    server = make_server(gateway_token_sha256=DIGEST)
     http = client_of(server)
     n = http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
 
@@ -162,11 +166,15 @@ def assert_nothing_held(server, http: httpx.Client, refused: set[str]) -> None:
 
 @pytest.mark.parametrize(
     ("token", "why"),
-    [(None, f"the request has no {HEADER_INTERNAL_TOKEN}"), ("wrong", "is not the engine's")],
-    ids=["no-token", "wrong-token"],
+    [
+        (None, f"the request has no {HEADER_GATEWAY_TOKEN}"),
+        ("wrong", "is not the gateway's"),
+        (DIGEST, "is not the gateway's"),  # the digest a tenant can read in the pod's spec is no credential
+    ],
+    ids=["no-token", "wrong-token", "the-digest-itself"],
 )
-def test_tenant_without_the_internal_token_is_403(make_server, client_of, token, why):
-    server = make_server(internal_token=TOKEN)
+def test_tenant_without_the_gateways_credential_is_403(make_server, client_of, token, why):
+    server = make_server(gateway_token_sha256=DIGEST)
     http = client_of(server)
     for resp in (
         completion(http, as_tenant("team-x", token)),
@@ -174,19 +182,31 @@ def test_tenant_without_the_internal_token_is_403(make_server, client_of, token,
         chat(http, as_tenant("team-x", token)),
         chat(http, as_tenant("team-x", token), stream=True),
     ):
-        error = assert_error(resp, 403, HEADER_TENANT, HEADER_INTERNAL_TOKEN, "gateway", why)
+        error = assert_error(resp, 403, HEADER_TENANT, HEADER_GATEWAY_TOKEN, "gateway", why)
         assert error["type"] == "permission_error" and error["code"] == "tenant_not_allowed"
     # The token is checked before the name: a bad name without the token learns nothing more.
     assert_error(completion(http, as_tenant("Not_A_Name", token)), 403, HEADER_TENANT)
     assert_nothing_held(server, http, {"team-x"})
 
 
-def test_no_tenant_may_be_named_when_the_engine_has_no_internal_token(make_server, client_of):
-    server = make_server()
+def test_the_operators_token_names_no_tenant(make_server, client_of):
+    """The operator's internal token (adapter loads) is not the gateway's credential: with it alone, as
+    with nothing, a request may not name its tenant."""
+    server = make_server(gateway_token_sha256=DIGEST, internal_token="operator-secret")
+    http = client_of(server)
+    resp = completion(http, {HEADER_TENANT: "team-x", HEADER_INTERNAL_TOKEN: "operator-secret"})
+    assert_error(resp, 403, HEADER_TENANT, f"the request has no {HEADER_GATEWAY_TOKEN}")
+    twice = [(HEADER_TENANT, "team-x"), (HEADER_GATEWAY_TOKEN, "wrong"), (HEADER_GATEWAY_TOKEN, TOKEN)]
+    assert_error(completion(http, twice), 403, HEADER_TENANT)  # one credential, not a guess beside it
+    assert_nothing_held(server, http, {"team-x"})
+
+
+def test_no_tenant_may_be_named_when_the_engine_trusts_no_gateway(make_server, client_of):
+    server = make_server(internal_token=TOKEN)
     http = client_of(server)
     for token in (TOKEN, ""):
         resp = completion(http, as_tenant("team-x", token))
-        assert_error(resp, 403, HEADER_TENANT, "this engine has no internal token")
+        assert_error(resp, 403, HEADER_TENANT, "this engine trusts no gateway")
     assert completion(http).status_code == 200  # naming none is fine
     server.assert_no_leak()
     assert "team-x" not in server.llm.scheduler.ledger.tenants
@@ -198,7 +218,7 @@ def test_no_tenant_may_be_named_when_the_engine_has_no_internal_token(make_serve
     ids=["upper", "underscore", "leading-dash", "trailing-dash", "space", "empty", "64-chars", "slash"],
 )
 def test_ill_formed_tenant_is_400_naming_the_value_and_the_rule(make_server, client_of, name):
-    server = make_server(internal_token=TOKEN)
+    server = make_server(gateway_token_sha256=DIGEST)
     http = client_of(server)
     for resp in (completion(http, as_tenant(name)), chat(http, as_tenant(name), stream=True)):
         error = assert_error(resp, 400, HEADER_TENANT, repr(name), "at most 63 characters", "Kubernetes name")
@@ -207,12 +227,12 @@ def test_ill_formed_tenant_is_400_naming_the_value_and_the_rule(make_server, cli
 
 
 def test_a_63_character_tenant_is_fine_and_a_repeated_header_is_400(make_server, client_of):
-    server = make_server(internal_token=TOKEN)
+    server = make_server(gateway_token_sha256=DIGEST)
     http = client_of(server)
     longest = "a" + "b.c-" * 15 + "dz"
     assert len(longest) == 63
     assert completion(http, as_tenant(longest)).status_code == 200
-    twice = [(HEADER_TENANT, "team-a"), (HEADER_TENANT, "team-b"), (HEADER_INTERNAL_TOKEN, TOKEN)]
+    twice = [(HEADER_TENANT, "team-a"), (HEADER_TENANT, "team-b"), (HEADER_GATEWAY_TOKEN, TOKEN)]
     resp = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT}, headers=twice)
     assert_error(resp, 400, HEADER_TENANT, "2 times")
     assert_nothing_held(server, http, {"team-a", "team-b"})
@@ -222,7 +242,7 @@ def test_a_63_character_tenant_is_fine_and_a_repeated_header_is_400(make_server,
 def test_tenants_beyond_the_cap_are_reported_as_other(make_server, monkeypatch, client_of):
     monkeypatch.delenv(ENV_TENANT, raising=False)
     cap = 3
-    server = make_server(internal_token=TOKEN, max_tenant_labels=cap)
+    server = make_server(gateway_token_sha256=DIGEST, max_tenant_labels=cap)
     http = client_of(server)
     n = http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
     tenants = [f"t{i}" for i in range(cap + 3)]
@@ -307,12 +327,13 @@ def test_scheduling_flags_and_internal_token_parse(monkeypatch):
     from flotilla.engine.engine_args import engine_config_from_args
 
     monkeypatch.setenv(ENV_INTERNAL_TOKEN, "from-env")
+    monkeypatch.setenv(ENV_GATEWAY_TOKEN_SHA256, DIGEST)
     args = build_parser().parse_args(
         ["engine", "serve", "--model", "m", FLAG_SCHEDULING_POLICY, "fair", FLAG_TENANT_WEIGHTS, "a=2,b=1"]
     )
     config = engine_config_from_args(args)
     assert (config.scheduling_policy, config.tenant_weights) == ("fair", {"a": 2.0, "b": 1.0})
-    assert args.internal_token == "from-env"
+    assert args.internal_token == "from-env" and args.gateway_token_sha256 == DIGEST
     args = build_parser().parse_args(["engine", "serve", "--model", "m", "--internal-token", "flag"])
     assert args.internal_token == "flag" and engine_config_from_args(args).scheduling_policy == "fcfs"
     monkeypatch.delenv(ENV_INTERNAL_TOKEN)

@@ -2,7 +2,7 @@
 endpoint picker behind Envoy (extproc/), decide about a request before any upstream byte moves.
 
 In order: its API key (401) and its declared size (413), then its body's size (413) and JSON (400), its
-model (404, or 403 for another tenant's, naming nothing of theirs), its tenant's rate limits (429 with
+model (404, for another tenant's too: a key learns nothing of other tenants' names), its tenant's rate limits (429 with
 Retry-After); then, for a service without a ready replica, whether one is coming (429 quota, 503) and the
 hold until it is Ready (waking the autoscaler meanwhile); then the prompt's tokens and block hashes for
 the prefix-aware pick (router.py), and the tenant's token charges, prompt and completion.

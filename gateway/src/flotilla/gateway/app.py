@@ -157,7 +157,7 @@ class Gateway:
         """Tokenize and hash the prompt, route, send; the prompt's tokens are charged to the tenant."""
         admitted = Admitted(tenant, service, body, content, chat)
         prompt = await self.door.prompt(admitted)
-        headers = upstream_headers(tenant, service.namespace, self.settings.engine_token_master)
+        headers = upstream_headers(tenant, self.settings.engine_token_master)
         sent = time.perf_counter()
         self.metrics.added_latency.observe(sent - arrival)
         key = service.key

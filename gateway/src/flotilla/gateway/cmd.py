@@ -25,8 +25,10 @@ from flotilla.contract import (
     api_key_digest,
 )
 from flotilla.gateway.core.picker import ROUTING_POLICIES
+from flotilla.gateway.proxy.bootstrap import DEFAULT_NODE_ID
 
 KEY_PREFIX = "fl-"
+FLAG_ENGINE_TOKEN_FILE = "--engine-token-file"
 ENVOY_PORT, ENVOY_ADMIN_PORT = 8081, 9901  # `flotilla gateway envoy`'s defaults on a workstation
 
 
@@ -39,8 +41,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--kubeconfig", type=Path, help="default: in-cluster, else $KUBECONFIG")
     run.add_argument("--keys-namespace", default=os.environ.get("POD_NAMESPACE", "flotilla-system"),
                      help="where the tenants' API key Secrets are (default: $POD_NAMESPACE)")  # fmt: skip
-    run.add_argument("--engine-token-file", type=Path,
-                     help="the installation's master token: engines then count requests by the caller's tenant")  # fmt: skip
+    run.add_argument(FLAG_ENGINE_TOKEN_FILE, type=Path,
+                     help="the installation's master token: engines then count requests by the caller's "
+                          "tenant, and the picker answers only callers with its credential")  # fmt: skip
     run.add_argument("--static-model", action="append", default=[], metavar="NAME=URL[,URL...]",
                      help="serve NAME from fixed engine URLs, without Kubernetes or keys (benchmarks)")  # fmt: skip
     run.add_argument("--max-body-bytes", type=int, default=None)
@@ -69,6 +72,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                            help="how bodies pass the picker: BUFFERED (default) or GIE's reference full-duplex streaming")  # fmt: skip
         envoy.add_argument("--max-body-bytes", type=int, default=None)
         envoy.add_argument("--hold-timeout", type=float, default=None, help="as the gateway's")
+        envoy.add_argument(FLAG_ENGINE_TOKEN_FILE, type=Path, default=None,
+                           help="the installation's master token: Envoy then presents the picker's credential "
+                                "and adds the gateway's to every upstream request")  # fmt: skip
+        envoy.add_argument("--node-id", default=DEFAULT_NODE_ID,
+                           help="this Envoy's xDS node id, unique per Envoy of one picker (the chart: the pod's)")  # fmt: skip
         envoy.add_argument("--stats-port", type=int, default=None,
                            help="also listen here (on --host) for GET /stats/prometheus and /ready only, "
                                 "passed to the admin")  # fmt: skip
@@ -112,7 +120,7 @@ def _settings(args: argparse.Namespace):
         "hold_timeout": args.hold_timeout,
         "max_held": args.max_held,
     }
-    master = args.engine_token_file.read_text().strip() if args.engine_token_file else None
+    master = _master_token(args.engine_token_file)
     return GatewaySettings(routing=args.routing, engine_token_master=master, require_keys=not args.static_model,
                            **{k: v for k, v in given.items() if v is not None})  # fmt: skip
 
@@ -170,7 +178,12 @@ def _bootstrap(args: argparse.Namespace) -> dict:
                      body_mode=args.body_mode,
                      max_body_bytes=args.max_body_bytes or defaults.max_body_bytes,
                      hold_timeout=args.hold_timeout if args.hold_timeout is not None else defaults.hold_timeout,
-                     admin_pipe=getattr(args, "admin_pipe", None), stats_port=args.stats_port)  # fmt: skip
+                     admin_pipe=getattr(args, "admin_pipe", None), stats_port=args.stats_port,
+                     master_token=_master_token(args.engine_token_file), node_id=args.node_id)  # fmt: skip
+
+
+def _master_token(path: Path | None) -> str | None:
+    return path.read_text().strip() if path is not None else None
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
@@ -180,8 +193,11 @@ def _envoy_config(args: argparse.Namespace) -> int:
     if args.out is None:
         print(text)
         return 0
-    # Whole or not at all: written beside the target, then renamed over it.
+    # Whole or not at all: written beside the target, then renamed over it. It holds credentials: the
+    # owner's only.
     partial = args.out.with_name(args.out.name + ".partial")
+    partial.touch(mode=0o600)
+    partial.chmod(0o600)
     partial.write_text(text + "\n")
     partial.replace(args.out)
     print(f"envoy-config: wrote {args.out}", file=sys.stderr)

@@ -21,8 +21,9 @@ class GatewaySettings:
     hold_timeout: float = 300.0
     max_held: int = 64  # per service; past it, 429
     heartbeat_seconds: float = 5.0  # SSE comments to held streaming clients, so proxies keep the stream
-    # The installation's master token (flotilla.contract.engine_token derives each namespace's); without
-    # it the gateway names no tenant to the engines, which then count requests under their own tenant.
+    # The installation's master token: the gateway's credential on the engines (contract.gateway_token)
+    # and the picker's (contract.picker_token) derive from it. Without it the gateway names no tenant to
+    # the engines, which then count requests under their own tenant, and the picker answers anyone.
     engine_token_master: str | None = None
     require_keys: bool = True  # False only for a static fleet (benchmarks): no tenants, no keys
     upstream_timeout: float = 600.0  # seconds between two upstream bytes before the gateway gives up

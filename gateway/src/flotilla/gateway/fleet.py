@@ -77,6 +77,7 @@ class StaticFleet(Fleet):
                     name=name,
                     served_name=name,
                     tenant=None,
+                    shared=True,  # no tenants and no keys: every caller's
                     min_replicas=None,
                     desired_replicas=len(urls),
                     gpus_per_replica=0,

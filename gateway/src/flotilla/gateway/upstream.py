@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from flotilla.contract import HEADER_INTERNAL_TOKEN, HEADER_TENANT, engine_token
+from flotilla.contract import HEADER_GATEWAY_TOKEN, HEADER_TENANT, gateway_token
 from flotilla.gateway.core.picker import Decision
 from flotilla.gateway.core.services import ServiceView
 from flotilla.gateway.core.sse import has_output
@@ -35,13 +35,19 @@ class NoOutput(Exception):
     """The replica's stream ended before any event carried output."""
 
 
-def upstream_headers(tenant: str | None, namespace: str, master: str | None) -> dict[str, str]:
-    """Only what the engine needs: the body's type and, with the master token, the tenant and the
-    namespace's internal token. The client's own headers (its API key, any X-Flotilla-* it sent) stay here."""
-    headers = {"content-type": "application/json"}
-    if master and tenant:
-        headers[HEADER_TENANT] = tenant
-        headers[HEADER_INTERNAL_TOKEN] = engine_token(master, namespace)
+def tenant_headers(tenant: str | None, master: str | None) -> dict[str, str]:
+    """The request's tenant for the engine, when the gateway holds the master token (without it engines
+    would refuse the name). What the picker hands Envoy: a name, never a credential."""
+    return {HEADER_TENANT: tenant} if master and tenant else {}
+
+
+def upstream_headers(tenant: str | None, master: str | None) -> dict[str, str]:
+    """Only what the engine needs from the relay: the body's type and, with the master token, the tenant
+    and the gateway's credential (behind Envoy, Envoy's route adds the credential itself). The client's own
+    headers (its API key, any X-Flotilla-* it sent) stay here."""
+    headers = {"content-type": "application/json"} | tenant_headers(tenant, master)
+    if HEADER_TENANT in headers and master:
+        headers[HEADER_GATEWAY_TOKEN] = gateway_token(master)
     return headers
 
 

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
 
 
+# The services' model folder (never read: the cluster is simulated), allowed as the operator's host-path root.
+MODEL_ROOT = "/models"
+
+
 def _manifest(count: int) -> str:
     docs = [
         {
@@ -42,7 +46,7 @@ def _manifest(count: int) -> str:
             "kind": "InferenceService",
             "metadata": {"name": f"svc-{i:04d}", "namespace": NAMESPACE},
             "spec": {
-                "model": {"uri": "file:///models/bench"},
+                "model": {"uri": f"file://{MODEL_ROOT}/bench"},
                 "resources": {"gpus": 1, "gpuType": "h100"},
                 "replicas": 1,
             },
@@ -97,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             service_account_kubeconfig(cluster, state_dir / "operator.kubeconfig"),
             state_dir / "operator.log",
             ("--no-model-path-check",),
+            host_path_roots=(MODEL_ROOT,),
         )
         operator.start()
         log_path = operator.log_path

@@ -12,6 +12,7 @@ from pathlib import Path
 from flotilla.contract import (
     ENGINE_PORT,
     ENV_API_KEY,
+    ENV_GATEWAY_TOKEN_SHA256,
     ENV_INTERNAL_TOKEN,
     ENV_TENANT,
     FLAG_DRAIN_TIMEOUT,
@@ -19,6 +20,7 @@ from flotilla.contract import (
     FLAG_PORT,
     FLAG_SERVED_MODEL_NAME,
     FLAG_SHUTDOWN_DELAY,
+    HEADER_GATEWAY_TOKEN,
     HEADER_INTERNAL_TOKEN,
     HEADER_TENANT,
 )
@@ -39,10 +41,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--internal-token",
         default=os.environ.get(ENV_INTERNAL_TOKEN),
-        help=f"the credential that lets a caller (the gateway) name a request's tenant in {HEADER_TENANT}; "
-        f"the request must carry it in {HEADER_INTERNAL_TOKEN} (default: ${ENV_INTERNAL_TOKEN}; unset or "
-        "empty: no request may name a tenant, and every request is served for $"
-        f"{ENV_TENANT})",
+        help=f"the operator's credential: loading and unloading LoRA adapters needs it in "
+        f"{HEADER_INTERNAL_TOKEN} (default: ${ENV_INTERNAL_TOKEN}; unset: --api-key alone guards them)",
+    )
+    parser.add_argument(
+        "--gateway-token-sha256",
+        default=os.environ.get(ENV_GATEWAY_TOKEN_SHA256),
+        help=f"the SHA-256 (hex) of the gateway's credential: a request may name its tenant in "
+        f"{HEADER_TENANT} only with that credential in {HEADER_GATEWAY_TOKEN} (default: "
+        f"${ENV_GATEWAY_TOKEN_SHA256}; unset: no request may name a tenant, and every request is served "
+        f"for ${ENV_TENANT})",
     )
     parser.add_argument(
         "--max-queue",
@@ -108,6 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or Path(args.model).resolve().name,
         api_key=args.api_key or None,
         internal_token=args.internal_token or None,
+        gateway_token_sha256=(args.gateway_token_sha256 or "").lower() or None,
         max_queue=args.max_queue if args.max_queue > 0 else None,
         max_body_bytes=args.max_body_size,
     )

@@ -54,7 +54,7 @@ class Gate:
 
     def tenant(self, request: Request) -> str:
         """The request's tenant (403/400 when it names one it may not or cannot be)."""
-        return request_tenant(request.headers, self.settings.tenant, self.settings.internal_token)
+        return request_tenant(request.headers, self.settings.tenant, self.settings.gateway_token_sha256)
 
     async def open(self, request: Request, model: type[G]) -> tuple[G, Call]:
         """A generation request's body, once its tenant and model pass (the key was checked already),

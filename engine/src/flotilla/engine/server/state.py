@@ -26,8 +26,11 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int | None = 256  # requests accepted but not running; None: unbounded
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    # The credential a request must carry to name its tenant (the gateway's); None: no request may.
+    # The operator's credential, which adapter loads and unloads must carry; None: --api-key alone.
     internal_token: str | None = None
+    # The SHA-256 of the gateway's credential, which a request must carry to name its tenant; None: no
+    # request may.
+    gateway_token_sha256: str | None = None
     # Who a request that names no tenant is served for: the Tenant owning the pod's namespace.
     tenant: str = field(default_factory=lambda: os.environ.get(ENV_TENANT, ""))
     # The most request tenants the per-tenant metrics name; later ones are summed under one (metrics.py).

@@ -1,10 +1,13 @@
 """Who a request is served for: its tenant, the unit of the fair policy and of the per-tenant metrics.
 
-A request may name its tenant in HEADER_TENANT only when it also carries the engine's internal token in
-HEADER_INTERNAL_TOKEN: the gateway, which authenticates clients and knows their tenant, holds that token;
-a client that reaches the engine directly does not, so it cannot pass itself off as another tenant (403).
-A request that names none is served for the engine's own tenant (ENV_TENANT, "" when unset). The token is
-checked before the name, so a caller without it learns nothing about what names would pass.
+A request may name its tenant in HEADER_TENANT only when it also carries the gateway's credential in
+HEADER_GATEWAY_TOKEN: the gateway, which authenticates clients and knows their tenant, adds it (Envoy's
+route, or the relay), and the engine holds only its SHA-256. A client that reaches the engine directly has
+neither the credential nor any way to learn it (the picker's answers never carry it), so it cannot pass
+itself off as another tenant (403). The operator's internal token (HEADER_INTERNAL_TOKEN) is for adapter
+loads only: it names no tenant. A request that names none is served for the engine's own tenant
+(ENV_TENANT, "" when unset). The credential is checked before the name, so a caller without it learns
+nothing about what names would pass.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import re
 
 from starlette.datastructures import Headers
 
-from flotilla.contract import HEADER_INTERNAL_TOKEN, HEADER_TENANT
+from flotilla.contract import HEADER_GATEWAY_TOKEN, HEADER_INTERNAL_TOKEN, HEADER_TENANT, token_matches
 from flotilla.engine.server.errors import ApiError
 
 MAX_TENANT_LENGTH = 63
@@ -29,26 +32,26 @@ def valid_tenant(name: str) -> bool:
     return len(name) <= MAX_TENANT_LENGTH and _TENANT.fullmatch(name) is not None
 
 
-def request_tenant(headers: Headers, own_tenant: str, internal_token: str | None) -> str:
-    """The request's tenant, or an ApiError: 403 when it names one without the internal token, 400 when
-    the name is not a tenant name or is named more than once (a gateway that appends its header to a
+def request_tenant(headers: Headers, own_tenant: str, gateway_token_sha256: str | None) -> str:
+    """The request's tenant, or an ApiError: 403 when it names one without the gateway's credential, 400
+    when the name is not a tenant name or is named more than once (a gateway that appends its header to a
     client's must not let the client's win)."""
     names = headers.getlist(HEADER_TENANT)
     if not names:
         return own_tenant
-    given = headers.get(HEADER_INTERNAL_TOKEN)
-    if not internal_token:
-        why = "this engine has no internal token, so no request may name its tenant"
-    elif given is None:
-        why = f"the request has no {HEADER_INTERNAL_TOKEN}"
-    elif not hmac.compare_digest(given.encode(), internal_token.encode()):
-        why = f"the request's {HEADER_INTERNAL_TOKEN} is not the engine's"
+    given = headers.getlist(HEADER_GATEWAY_TOKEN)
+    if not gateway_token_sha256:
+        why = "this engine trusts no gateway, so no request may name its tenant"
+    elif not given:
+        why = f"the request has no {HEADER_GATEWAY_TOKEN}"
+    elif len(given) > 1 or not token_matches(given[0], gateway_token_sha256):
+        why = f"the request's {HEADER_GATEWAY_TOKEN} is not the gateway's"
     else:
         why = None
     if why is not None:
         raise ApiError(
             403,
-            f"{HEADER_TENANT} is accepted only with a valid {HEADER_INTERNAL_TOKEN} (from the gateway): {why}",
+            f"{HEADER_TENANT} is accepted only with the gateway's {HEADER_GATEWAY_TOKEN}: {why}",
             code="tenant_not_allowed",
         )
     if len(names) > 1:

@@ -33,6 +33,7 @@ class AdapterView:
     service: str  # spec.inferenceService: the base InferenceService's name, in `service_namespace`
     tenant: str | None  # the Tenant owning the namespace (flotilla.ownership's one rule)
     contested: bool = False
+    shared: bool = False  # the namespace is the platform's shared Tenant's (ownership.Owner.shared)
     loaded_pods: frozenset[str] = frozenset()  # pods of the base whose status entry is Loaded
     failures: tuple[tuple[str, str], ...] = ()  # (pod, why) for each Failed entry, sorted by pod
     pending: int = 0  # entries still Loading
@@ -93,6 +94,7 @@ def adapter_view(obj: dict[str, Any], owner_of_namespace: Callable[[str], Owner]
         service=spec.get("inferenceService") or "",
         tenant=owner.tenant,
         contested=owner.contested,
+        shared=owner.shared,
         loaded_pods=frozenset(loaded),
         failures=tuple(sorted(failures)),
         pending=pending,

@@ -39,7 +39,7 @@ class ServiceView:
     namespace: str
     name: str
     served_name: str  # what clients send as "model"
-    tenant: str | None  # the Tenant owning the namespace; None: shared by every tenant (unless contested)
+    tenant: str | None  # the Tenant owning the namespace; None: no Tenant (unowned), or several (contested)
     min_replicas: int | None  # spec.autoscaling.minReplicas; None without autoscaling
     desired_replicas: int  # status.desiredReplicas
     gpus_per_replica: int
@@ -47,6 +47,7 @@ class ServiceView:
     quota_refusal: str | None = None  # why quota gives the service no replica, if it does not
     block_size: int | None = None  # spec.engine.blockSize; None: the engine's default
     contested: bool = False  # several Tenants claim the namespace: nobody may use the service
+    shared: bool = False  # the namespace is the platform's shared Tenant's (Owner.shared): every tenant's
     # A LoRA adapter's routing view (adapter_route): the base service `namespace/name` with `served_name` the
     # adapter's object's name, `adapter` its name in the engines (what the request sends upstream),
     # `adapter_id` its LoRAAdapter's `namespace/name`, and only the endpoints where the operator reports the
@@ -100,6 +101,7 @@ def service_view(
         served_name=(spec.get("model") or {}).get("servedName") or name,
         tenant=owner.tenant,
         contested=owner.contested,
+        shared=owner.shared,
         # minReplicas defaults to 1 in the CRD (flotilla.operator.api.v1alpha1.Autoscaling).
         min_replicas=int(autoscaling.get("minReplicas", 1)) if isinstance(autoscaling, dict) else None,
         desired_replicas=desired,
@@ -167,7 +169,8 @@ def adapter_route(adapter: AdapterView, base: ServiceView | None) -> ServiceView
     if base is None:
         return ServiceView(
             namespace=adapter.base_namespace, name=adapter.service, served_name=adapter.name,
-            tenant=adapter.tenant, contested=adapter.contested, min_replicas=None, desired_replicas=0,
+            tenant=adapter.tenant, contested=adapter.contested, shared=adapter.shared, min_replicas=None,
+            desired_replicas=0,
             gpus_per_replica=0, adapter=adapter.engine_name, adapter_id=adapter.key,
             adapter_refusal=f"its base InferenceService {adapter.service!r} does not exist",
         )  # fmt: skip
@@ -180,21 +183,25 @@ def adapter_route(adapter: AdapterView, base: ServiceView | None) -> ServiceView
         refusal = f"every ready replica of its base failed to load it ({pod}: {failed[pod]})"
     return replace(base, served_name=adapter.name, endpoints=endpoints, adapter=adapter.engine_name,
                    adapter_id=adapter.key, adapter_refusal=refusal, tenant=adapter.tenant,
-                   contested=adapter.contested)  # fmt: skip
+                   contested=adapter.contested, shared=adapter.shared)  # fmt: skip
 
 
 # -- which service a request's "model" names, and who may use it ------------------------------------------
 
 
 def may_use(tenant: str | None, service: ServiceView) -> bool:
-    """A service in a tenant's namespace is that tenant's alone; one in a namespace no tenant owns is
-    shared by every tenant; one in a namespace several Tenants claim is nobody's until the claim is
-    resolved. A caller without a tenant (no API keys configured) sees only shared ones."""
-    return ownership.may_use(tenant, service.tenant, service.contested)
+    """A service in a namespace of the platform's shared Tenant is every tenant's; one in a tenant's
+    namespace is that tenant's alone; one in a namespace no Tenant owns, or several Tenants claim, is
+    nobody's. A caller without a tenant (no API keys: a static fleet) sees only shared ones. An adapter's
+    view carries its own namespace's owner (adapter_route), so an adapter on a shared base is its tenant's."""
+    return ownership.may_use(tenant, service.tenant, contested=service.contested, shared=service.shared)
 
 
 @dataclass(frozen=True)
 class NotFound:
+    """No model of that name that the caller may use: whether another tenant has one is not said (the
+    same answer, byte for byte, as for a name nobody has), so a key cannot probe other tenants' names."""
+
     model: str
     status: int = 404
     code: str = "model_not_found"
@@ -202,20 +209,6 @@ class NotFound:
     @property
     def message(self) -> str:
         return f"the model {self.model!r} does not exist"
-
-
-@dataclass(frozen=True)
-class Forbidden:
-    """The model exists but belongs to another tenant. The message names only what the client sent: never
-    the owner, its namespaces or its other services."""
-
-    model: str
-    status: int = 403
-    code: str = "model_forbidden"
-
-    @property
-    def message(self) -> str:
-        return f"your API key's tenant may not use the model {self.model!r}"
 
 
 @dataclass(frozen=True)
@@ -235,7 +228,7 @@ class Ambiguous:
         )
 
 
-ResolveError = NotFound | Forbidden | Ambiguous
+ResolveError = NotFound | Ambiguous
 
 
 class ModelIndex:
@@ -282,7 +275,7 @@ class ModelIndex:
         `namespace/name` always names that service (checked first: a served name may itself contain a '/',
         like 'org/model', and still works when no service has that key). A bare served name names the one
         service the caller may use that serves it; other tenants' services of the same name do not make it
-        ambiguous, and are never listed. Forbidden only when the name exists for nobody the caller may be.
+        ambiguous, and are never listed. Another tenant's name is not found, as a name nobody has.
 
         LoRA adapters are names like served names (their object's name; `namespace/name` after the
         services' keys): an adapter and a service the caller may both use under one name are ambiguous,
@@ -291,14 +284,14 @@ class ModelIndex:
         """
         service = self._by_key.get(model) or self._adapter_by_id.get(model)
         if service is not None:
-            return service if may_use(tenant, service) else Forbidden(model)
+            return service if may_use(tenant, service) else NotFound(model)
         serving = self._by_served.get(model, [])
         usable = [s for s in serving if may_use(tenant, s)]
         if len(usable) == 1:
             return usable[0]
         if usable:
             return Ambiguous(model, tuple(s.model_id for s in usable))
-        return Forbidden(model) if serving else NotFound(model)
+        return NotFound(model)
 
     def visible_models(self, tenant: str | None) -> list[tuple[str, ServiceView]]:
         """(id, view) for /v1/models: every service and adapter the caller may use, by its served name

@@ -6,10 +6,13 @@ load balancing sends the request to the first and, when that one refuses or rese
 it on the next (the relay's retry before the first token). Override-host picks only among the hosts its
 cluster has, so the cluster is this list, kept current as pods come and go.
 
-Envoy acknowledges each version it applied (ACK: a request carrying the version's nonce and no error);
-`acked()` is what every connected Envoy has applied, and the picker picks only from it, so a pick never
-names an engine an Envoy does not know yet (a new replica waits for the ACK). With no Envoy subscribed (a
-gateway of another vendor, with its own endpoints, asks the picker), `acked()` is None: no restriction.
+Envoy acknowledges each version it applied (ACK: a request carrying the version's nonce and no error).
+Each Envoy is known by its node id (the `node` of its first EDS request; its ext_proc calls carry the same
+id in ENVOY_NODE_METADATA), and `acked(node)` is what that Envoy has applied: the picker picks for a
+request only from what the Envoy that asks has applied, so a pick never names an engine that Envoy does not
+know yet (a new replica waits for its ACK), and an Envoy that never ACKs (stalled, or a rogue subscriber
+with the picker's credential) holds back only its own requests. A caller that names no node, or a node that
+has not subscribed (a gateway of another vendor, with its own endpoints), gets None: no restriction.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class EndpointPublisher:
         self.version = 0
         self.addresses: frozenset[str] = frozenset()
         self._acked: dict[int, frozenset[str]] = {}  # subscriber -> the addresses of its last ACKed version
-        self._subscribers: set[int] = set()
+        self._subscribers: dict[int, str] = {}  # subscriber -> its Envoy's node id ("" until it says)
         self._ids = itertools.count(1)
         self._changed: asyncio.Condition | None = None
 
@@ -98,19 +101,20 @@ class EndpointPublisher:
     def subscribers(self) -> int:
         return len(self._subscribers)
 
-    def acked(self) -> frozenset[str] | None:
-        """The addresses every subscribed Envoy has applied; None when no Envoy subscribes."""
-        if not self._subscribers:
+    def acked(self, node: str | None) -> frozenset[str] | None:
+        """The addresses the Envoy `node` has applied (its latest stream's: a reconnected Envoy's old
+        stream may linger); None when no stream of that node subscribes, or no node is named."""
+        streams = [s for s, n in self._subscribers.items() if node and n == node]
+        if not streams:
             return None
-        sets = [self._acked.get(s, frozenset()) for s in self._subscribers]
-        return frozenset.intersection(*sets)
+        return self._acked.get(max(streams), frozenset())
 
-    async def wait_acked(self, addresses: set[str], timeout: float) -> bool:
-        """Waits until every subscribed Envoy knows at least one of `addresses` (at once when none
-        subscribes); False after `timeout`."""
+    async def wait_acked(self, addresses: set[str], timeout: float, node: str | None) -> bool:
+        """Waits until the Envoy `node` knows at least one of `addresses` (at once when it does not
+        subscribe); False after `timeout`."""
 
         def known() -> bool:
-            acked = self.acked()
+            acked = self.acked(node)
             return acked is None or bool(acked & addresses)
 
         async with self.changed:
@@ -123,11 +127,16 @@ class EndpointPublisher:
     # -- one Envoy's stream -------------------------------------------------------------------------------
     def subscribe(self) -> int:
         subscriber = next(self._ids)
-        self._subscribers.add(subscriber)
+        self._subscribers[subscriber] = ""
         return subscriber
 
+    def identify(self, subscriber: int, node: str) -> None:
+        """The subscriber's Envoy said its node id (its first request does)."""
+        if subscriber in self._subscribers and node:
+            self._subscribers[subscriber] = node
+
     def unsubscribe(self, subscriber: int) -> None:
-        self._subscribers.discard(subscriber)
+        self._subscribers.pop(subscriber, None)
         self._acked.pop(subscriber, None)
         self._schedule_notify()
 
@@ -154,6 +163,8 @@ class EndpointDiscovery(EndpointDiscoveryServiceServicer):
 
         async def read() -> None:
             async for request in request_iterator:
+                if request.HasField("node"):
+                    publisher.identify(subscriber, request.node.id)
                 if request.resource_names and not clusters:
                     clusters.extend(request.resource_names)
                 if request.response_nonce in sent:

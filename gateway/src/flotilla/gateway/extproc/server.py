@@ -1,13 +1,15 @@
 """The picker's gRPC server (grpc.aio): the ExternalProcessor, the engines' endpoints (EDS) and the Health
 service on one port, on the event loop the gateway's fleet and relay run on, so both data paths share one
-front door."""
+front door. Only callers with the picker's credential are answered (extproc/callers.py)."""
 
 from __future__ import annotations
 
 import grpc
 
+from flotilla.contract import picker_token, token_digest
 from flotilla.gateway.admission import FrontDoor
 from flotilla.gateway.extproc import health
+from flotilla.gateway.extproc.callers import PickerCallers
 from flotilla.gateway.extproc.endpoints import EndpointDiscovery, EndpointPublisher
 from flotilla.gateway.extproc.protos import (
     add_EndpointDiscoveryServiceServicer_to_server,
@@ -33,7 +35,10 @@ class PickerServer:
 
     async def start(self) -> int:
         """Listens (port 0: any free port) and returns the port; call on the serving loop."""
-        server = grpc.aio.server()
+        master = self.door.settings.engine_token_master
+        # With the master token, only callers with the picker's credential (extproc/callers.py).
+        interceptors = [PickerCallers(token_digest(picker_token(master)))] if master else []
+        server = grpc.aio.server(interceptors=interceptors)
         door = self.door
         publisher = self.endpoints = EndpointPublisher(lambda: engine_addresses(door.fleet))
         door.fleet_listeners.append(publisher.refresh)

@@ -29,10 +29,10 @@ from flotilla.gateway.admission import CHAT_COMPLETIONS, COMPLETIONS, Admitted, 
 from flotilla.gateway.config import HOLD_MARGIN_SECONDS
 from flotilla.gateway.core.services import routable
 from flotilla.gateway.errors import GatewayError
-from flotilla.gateway.extproc import responses
+from flotilla.gateway.extproc import callers, responses
 from flotilla.gateway.extproc.endpoints import EndpointPublisher
 from flotilla.gateway.extproc.protos import FULL_DUPLEX_STREAMED, ExternalProcessorServicer
-from flotilla.gateway.upstream import upstream_headers
+from flotilla.gateway.upstream import tenant_headers
 
 log = logging.getLogger("flotilla.gateway.extproc")
 MODELS = OPENAI_PATH + "/models"
@@ -45,8 +45,11 @@ ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"  # the bootstrap asks Envoy to se
 class PickerStream:
     """One HTTP request's exchange with Envoy: what was learned in earlier phases, and its engine."""
 
-    def __init__(self, door: FrontDoor, endpoints: EndpointPublisher | None = None) -> None:
+    def __init__(
+        self, door: FrontDoor, endpoints: EndpointPublisher | None = None, node: str | None = None
+    ) -> None:
         self.door, self.endpoints = door, endpoints
+        self.node = node  # the asking Envoy's node id: its picks wait only for its own EDS ACKs
         self.arrival = time.perf_counter()
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
@@ -154,7 +157,7 @@ class PickerStream:
         door.count_prompt(prompt, decision)
         self.sent = time.perf_counter()
         door.metrics.added_latency.observe(self.sent - self.arrival)
-        trusted = upstream_headers(self.tenant, service.namespace, door.settings.engine_token_master)
+        trusted = tenant_headers(self.tenant, door.settings.engine_token_master)
         address = responses.endpoint_address(self.url)
         fallback = door.router.fallback(service, excluded | {self.url})
         if fallback is not None:  # where Envoy retries a request the pick refused or reset before answering
@@ -169,8 +172,8 @@ class PickerStream:
             yield responses.picked(address, trusted, self.headers, admitted.content if rewritten else None)
 
     def unknown_to_envoy(self, urls: set[str]) -> set[str]:
-        """The engines some subscribed Envoy has not applied yet (its cluster lacks them)."""
-        acked = self.endpoints.acked() if self.endpoints is not None else None
+        """The engines the asking Envoy has not applied yet (its cluster lacks them)."""
+        acked = self.endpoints.acked(self.node) if self.endpoints is not None else None
         return set() if acked is None else {u for u in urls if responses.endpoint_address(u) not in acked}
 
     async def known_to_envoy(self, service: Any) -> Any:
@@ -179,7 +182,8 @@ class PickerStream:
         urls = {e.url for e in routable(service)}
         if self.endpoints is None or not urls or self.unknown_to_envoy(urls) != urls:
             return service
-        await self.endpoints.wait_acked({responses.endpoint_address(u) for u in urls}, ENDPOINTS_WAIT_SECONDS)
+        addresses = {responses.endpoint_address(u) for u in urls}
+        await self.endpoints.wait_acked(addresses, ENDPOINTS_WAIT_SECONDS, self.node)
         return self.door.fleet.index.get(service.key) or service
 
     # -- the response ---------------------------------------------------------------------------------
@@ -234,7 +238,7 @@ class Picker(ExternalProcessorServicer):
     async def Process(  # noqa: N802  (the gRPC method's name)
         self, request_iterator: AsyncIterator[Any], context: object
     ) -> AsyncIterator[Any]:
-        stream = PickerStream(self.door, self.endpoints)
+        stream = PickerStream(self.door, self.endpoints, callers.envoy_node(context))
         try:
             async for request in request_iterator:
                 async for response in stream.answer(request):

@@ -16,6 +16,13 @@ Timeouts: Envoy waits `message_timeout` for each answer of the picker; a request
 for more (up to `max_message_timeout`, the hold timeout and a margin). The route has no overall timeout (a
 long generation is not an error); `idle_timeout` ends an upstream that stays silent that long.
 
+Credentials, from the installation's master token (`master_token`; without it none): Envoy presents the
+picker's credential (contract.picker_token) in the metadata of its ext_proc and EDS calls, with its node id
+(each picker waits only for the asking Envoy's own EDS ACKs); its route adds the gateway's credential
+(contract.gateway_token) to every upstream request, replacing any a client sent, so the picker never hands
+a credential to anyone. Before the picker, a header mutation removes a client's own HEADER_TENANT: with
+FailOpen and the picker down, a request passes on without a tenant, never with one the client chose.
+
 The admin: on loopback by default (`flotilla gateway envoy` on a workstation), or on a unix socket
 (`admin_pipe`, the chart's pod: the admin serves /quitquitquit and must not be on the pod's address, and a
 socket in the pod's own volume cannot collide with another replica's as a loopback port can on the local
@@ -34,9 +41,15 @@ from flotilla.contract import (
     DESTINATION_METADATA_NAMESPACE,
     ENVOY_CLIENTS_PREFIX,
     ENVOY_ENGINES_CLUSTER,
+    ENVOY_NODE_METADATA,
     ENVOY_STATS_PATH,
+    HEADER_GATEWAY_TOKEN,
+    HEADER_TENANT,
+    PICKER_TOKEN_METADATA,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
+    gateway_token,
+    picker_token,
 )
 from flotilla.gateway.config import DEFAULT_MAX_BODY_BYTES, HOLD_MARGIN_SECONDS
 
@@ -55,6 +68,7 @@ BUFFER_MARGIN = 64 * 1024  # bytes of listener buffer above the body limit: head
 # an OpenAI client retries it.
 PICKER_UNAVAILABLE = 503
 _T = "type.googleapis.com/envoy."
+DEFAULT_NODE_ID = "flotilla-gateway"  # the node's cluster, and its id where the caller names none
 # Once, on the pick's fallback (the second address of the destination), for what the relay retries: an
 # engine that refuses the connection, resets before its response starts, or answers 503 (full, draining).
 # After the response has started nothing is retried (its first bytes are the client's).
@@ -161,19 +175,22 @@ def bootstrap(
     admin_pipe: str | None = None,
     stats_host: str | None = None,
     stats_port: int | None = None,
+    master_token: str | None = None,
+    node_id: str = DEFAULT_NODE_ID,
 ) -> dict[str, Any]:
     """The bootstrap. Port 0 lets the kernel choose (EnvoyProcess reads the ports back from the admin).
     `subset_hint` sets GIE's subset hint on every request (the `envoy.lb.subset_hint` metadata a gateway
     controller sets per route): the picker then picks among those `ip:port` endpoints only.
     `admin_pipe`: the admin on this unix socket instead of `admin_host:admin_port`. `stats_port`: the
-    stats listener (on `stats_host`, default `listen_host`), see the module's docstring."""
+    stats listener (on `stats_host`, default `listen_host`), see the module's docstring. `master_token`
+    and `node_id`: the credentials and the identity, see the module's docstring."""
     if failure_mode not in FAILURE_MODES:
         raise ValueError(f"failure_mode must be one of {', '.join(FAILURE_MODES)}, not {failure_mode!r}")
     ext_proc = {
         "name": EXT_PROC_FILTER,
         "typed_config": {
             "@type": _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+            "grpc_service": _picker_service(master_token, node_id),
             "failure_mode_allow": failure_mode == "FailOpen",
             "status_on_error": {"code": PICKER_UNAVAILABLE},
             "processing_mode": processing_mode(body_mode),
@@ -182,7 +199,7 @@ def bootstrap(
             "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_HINT_NAMESPACE]}},
         },
     }
-    filters: list[dict[str, Any]] = []
+    filters: list[dict[str, Any]] = [_without_client_headers((HEADER_TENANT, HEADER_GATEWAY_TOKEN))]
     if subset_hint is not None:
         filters.append({
             "name": "envoy.filters.http.set_metadata",
@@ -207,6 +224,7 @@ def bootstrap(
                     "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s",
                               "idle_timeout": _duration(upstream_idle_timeout),
                               "retry_policy": RETRY_POLICY},
+                    **_gateway_credential(master_token),
                 }],
             }],
         },
@@ -247,7 +265,7 @@ def bootstrap(
                 "api_config_source": {
                     "api_type": "GRPC",
                     "transport_api_version": "V3",
-                    "grpc_services": [{"envoy_grpc": {"cluster_name": PICKER_CLUSTER}}],
+                    "grpc_services": [_picker_service(master_token, node_id)],
                 },
             }
         },
@@ -284,10 +302,44 @@ def bootstrap(
             },
         })  # fmt: skip
     return {
-        # xDS (the engines' EDS) needs a node identity; the picker serves every Envoy the same endpoints.
-        "node": {"id": "flotilla-gateway", "cluster": "flotilla-gateway"},
+        # xDS (the engines' EDS) needs a node identity; the picker keeps each node's ACKs apart.
+        "node": {"id": node_id, "cluster": DEFAULT_NODE_ID},
         "admin": {"address": admin_address},
         "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+def _picker_service(master_token: str | None, node_id: str) -> dict[str, Any]:
+    """The picker as a gRPC service of Envoy's: with the picker's credential (when there is a master token)
+    and this Envoy's node id in every call's metadata."""
+    metadata = [{"key": ENVOY_NODE_METADATA, "value": node_id}]
+    if master_token:
+        metadata.insert(0, {"key": PICKER_TOKEN_METADATA, "value": picker_token(master_token)})
+    return {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}, "initial_metadata": metadata}
+
+
+def _gateway_credential(master_token: str | None) -> dict[str, Any]:
+    """The route's own header: the gateway's credential on every upstream request (a client's is removed
+    first: Envoy removes a route's headers_to_remove before it adds its headers_to_add)."""
+    if not master_token:
+        return {"request_headers_to_remove": [HEADER_GATEWAY_TOKEN.lower()]}
+    return {
+        "request_headers_to_remove": [HEADER_GATEWAY_TOKEN.lower()],
+        "request_headers_to_add": [{
+            "header": {"key": HEADER_GATEWAY_TOKEN.lower(), "value": gateway_token(master_token)},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }],
+    }  # fmt: skip
+
+
+def _without_client_headers(names: tuple[str, ...]) -> dict[str, Any]:
+    """An HTTP filter, before the picker, that removes headers only the gateway may set."""
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _T + "extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": name.lower()} for name in names]},
+        },
     }
 
 

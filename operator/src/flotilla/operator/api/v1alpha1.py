@@ -327,6 +327,12 @@ class RateLimits(_Model):
 class TenantSpec(_Model):
     namespaces: list[str] = Field(default_factory=list)
     namespace_selector: LabelSelector | None = None
+    shared: bool = Field(
+        default=False,
+        description="the platform's shared tenant: the services in its namespaces are open to every tenant's "
+        "API key and may be the base of any tenant's LoRAAdapter; their GPUs are charged to this Tenant's "
+        "quota and metered to it. A namespace no Tenant claims is shared with nobody",
+    )
     gpu_quota: dict[str, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict, description="GPUs per GPU type"
     )
@@ -449,7 +455,7 @@ class LoRAAdapterSpec(_Model):
         max_length=63,
         pattern=LABEL_VALUE_PATTERN,
         description="the base InferenceService's namespace; unset: the adapter's own. Another namespace must be "
-        "one the adapter's tenant may use: shared (claimed by no Tenant) or its own",
+        "one the adapter's tenant may use: shared (owned by the platform's shared Tenant) or its own",
     )
     source: str = Field(
         min_length=1,

@@ -58,6 +58,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--default-image", help="engine image when a spec names none")
     run.add_argument("--hf-cache-dir", help="resolve hf://org/name to DIR/org/name on the node")
     run.add_argument(
+        "--host-path-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a node folder whose paths tenants may mount (repeatable): file:// model uris and "
+        "spec.engine.lora.adapterDir must be DIR or under it (default: none, so every one is refused)",
+    )
+    run.add_argument(
         "--prometheus-url", help="autoscaler reads engine metrics from this Prometheus (default: scrape pods)"
     )
     run.add_argument(
@@ -174,16 +182,20 @@ def _run(args: argparse.Namespace) -> int:
     from flotilla.operator.tenancy.settings import tenancy_from_arguments, webhook_from_arguments
 
     defaults = OperatorConfig()
-    config = OperatorConfig(
-        default_image=args.default_image or defaults.default_image,
-        hf_cache_dir=args.hf_cache_dir,
-        prometheus_url=args.prometheus_url,
-        check_local_model_paths=not args.no_model_path_check,
-        engine_token_master=read_engine_token(args.engine_token_file),
-        inference_pools=not args.no_inference_pools,
-        # Flotilla's gateway runs beside the operator (the chart's namespace).
-        gateway_namespace=args.operator_namespace,
-    )
+    try:
+        config = OperatorConfig(
+            default_image=args.default_image or defaults.default_image,
+            hf_cache_dir=args.hf_cache_dir,
+            host_path_roots=tuple(args.host_path_root),
+            prometheus_url=args.prometheus_url,
+            check_local_model_paths=not args.no_model_path_check,
+            engine_token_master=read_engine_token(args.engine_token_file),
+            inference_pools=not args.no_inference_pools,
+            # Flotilla's gateway runs beside the operator (the chart's namespace).
+            gateway_namespace=args.operator_namespace,
+        )
+    except ValueError as exc:  # a folder flag that is not an absolute path: said in one line, at start
+        raise SystemExit(f"flotilla operator run: {exc}") from None
     return run_operator(
         config,
         kubeconfig=args.kubeconfig,

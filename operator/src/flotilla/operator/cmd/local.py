@@ -66,8 +66,18 @@ def service_account_kubeconfig(cluster: ClusterHandle, path: Path, duration: str
 class OperatorProcess:
     """`flotilla operator run` as a subprocess: restartable, SIGKILL-able, with /healthz and /metrics."""
 
-    def __init__(self, kubeconfig: Path, log_path: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        host_path_roots: tuple[Path | str, ...] = (),
+    ):
+        """`host_path_roots`: the folders whose file:// models and adapterDirs the operator may mount
+        (--host-path-root; the folders a test writes its models and adapters into). Empty by default, as
+        the operator's own default: every file:// model is then refused."""
         self.kubeconfig, self.log_path, self.extra_args = kubeconfig, log_path, extra_args
+        self.host_path_roots = tuple(str(root) for root in host_path_roots)
         self.metrics_port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -76,8 +86,9 @@ class OperatorProcess:
         return f"http://127.0.0.1:{self.metrics_port}"
 
     def argv(self) -> list[str]:
+        roots = [arg for root in self.host_path_roots for arg in ("--host-path-root", root)]
         return [sys.executable, "-m", "flotilla.cli", "operator", "run", "--kubeconfig", str(self.kubeconfig),
-                "--metrics-port", str(self.metrics_port), *self.extra_args]  # fmt: skip
+                "--metrics-port", str(self.metrics_port), *roots, *self.extra_args]  # fmt: skip
 
     def start(
         self,

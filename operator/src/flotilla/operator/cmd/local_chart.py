@@ -53,10 +53,13 @@ def local_values(
     webhook_node_port: int,
     model_dirs: tuple[Path, ...] = (),
     gateway_node_port: int | None = None,
+    host_path_roots: tuple[Path, ...] = (),
     **overrides: object,
 ) -> dict:
     """`model_dirs`: folders the operator must see to check file:// models. It shares the host's disks,
-    except /tmp, where its pod mounts an emptyDir; each is mounted from the host at its own path. With
+    except /tmp, where its pod mounts an emptyDir; each is mounted from the host at its own path. They
+    are host-path roots too (operator.hostPathRoots), with `host_path_roots` (folders tenants name that the
+    operator need not mount, e.g. an adapterDir): none else may be mounted into engines. With
     `gateway_node_port`, the gateway's Service is a NodePort there (http://127.0.0.1:<port>/v1)."""
     mounts = [
         ({"name": f"model-{i}", "hostPath": {"path": str(d), "type": "Directory"}},
@@ -66,6 +69,7 @@ def local_values(
     values: dict = {
         "operator": {
             "checkModelPaths": True,
+            "hostPathRoots": list(dict.fromkeys(str(d) for d in (*model_dirs, *host_path_roots))),
             "extraVolumes": [volume for volume, _ in mounts],
             "extraVolumeMounts": [mount for _, mount in mounts],
         },

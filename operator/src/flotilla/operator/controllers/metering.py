@@ -47,6 +47,7 @@ from flotilla.operator.tenancy.metering import (
     cost,
     count_adapter_tokens,
     count_tokens,
+    foreign_adapter_tokens,
     meter,
     metered_end,
     parse_time,
@@ -198,11 +199,6 @@ def pod_removed(event: dict, body: kopf.Body, memo: kopf.Memo, gpu_nodes: kopf.I
 # Per Tenant
 
 
-def _shared(namespace: str, tenants: dict, labels: dict) -> bool:
-    """A namespace no Tenant claims (its services are every tenant's: flotilla.ownership)."""
-    return not owner_of(namespace, tenants, labels).claimants
-
-
 def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     """One metering round: read the Tenant, add (lastMeteredTime, now], write it back conditionally."""
     custom = rt.kube.custom
@@ -232,10 +228,12 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
     live = {p["metadata"]["uid"] for p in pods}
     counters = read_token_counters(pods)
     added, token_counters = count_tokens(ledger.token_counters, {u: c.total for u, c in counters.items()})
-    # The tenant's adapters on shared base services (namespaces no Tenant claims), served there as
-    # `namespace/name`: read from those engines, counted per adapter and in the tenant's tokens.
+    # The tenant's adapters on shared base services (namespaces of a shared Tenant: Owner.shared; their GPU
+    # time is that Tenant's), served there as `namespace/name`: read from those engines, counted per
+    # adapter and in the tenant's tokens.
     shared_pods = [
-        p for ns, store in kwargs["gpu_pods"].items() if ns not in mine and _shared(ns, tenants, labels) for p in store
+        p for ns, store in kwargs["gpu_pods"].items() if ns not in mine and owner_of(ns, tenants, labels).shared
+        for p in store
     ]  # fmt: skip
     shared = shared_adapter_counters(
         {u: c.adapters for u, c in read_token_counters(shared_pods).items()}, mine
@@ -257,8 +255,10 @@ def _meter(rt: Runtime, state: MeteringState, name: str, kwargs: dict) -> None:
             },
         }
     )
-    added_in = added.input + sum(t.input for t in added_shared.values())
-    added_out = added.output + sum(t.output for t in added_shared.values())
+    # What its own engines served for other tenants' adapters (a shared Tenant's base) is theirs: out of its tokens.
+    foreign = foreign_adapter_tokens(added_by_adapter, mine)
+    added_in = max(0, added.input - foreign.input) + sum(t.input for t in added_shared.values())
+    added_out = max(0, added.output - foreign.output) + sum(t.output for t in added_shared.values())
     tokens = TokenCount(input=status.tokens.input + added_in, output=status.tokens.output + added_out)
 
     allocated: dict[str, int] = {}

@@ -8,9 +8,10 @@ optimistic concurrency (tenancy/reservations.py), then the stored objects it cou
 tenant, on any replicas, serialize on that write; the loser reads again and decides again.
 
 - InferenceServices (create, update, and the scale subresource) are judged by `review_service` below:
-  the reconciler's own validation (desired.validation.check), then the Tenant's quota
-  (tenancy.quota_review). The rules that depend on the world (GPU types on the nodes, model paths) are
-  left to the reconciler: the world changes (a node joins, a volume is filled) and the reconciler
+  the reconciler's own validation (desired.validation.check, with the host-path roots the operator allows:
+  a file:// model or an adapterDir outside them is refused here and by the reconciler alike), then the
+  Tenant's quota (tenancy.quota_review). The rules that depend on the world (GPU types on the nodes, model
+  paths) are left to the reconciler: the world changes (a node joins, a volume is filled) and the reconciler
   re-checks them when it does, while admission is asked once.
 - LoRAAdapters are refused when their spec is invalid (desired.lora_adapter.check: the source's scheme),
   when their base is in a namespace the adapter's tenant may not use (desired.lora_adapter.sharing_problem),
@@ -37,7 +38,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -96,7 +97,8 @@ def _until_written(attempt: Callable[[], bool | None], who: str, what: str, deni
 def admit_service(body, old, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **_) -> None:
     old_spec = (old or {}).get("spec") if old else None
     uid = (body.get("metadata") or {}).get("uid") or ""
-    _admit(memo.admission, namespace, name, uid, body.get("spec"), old_spec, dryrun)
+    roots = memo.runtime.config.host_path_roots
+    _admit(memo.admission, namespace, name, uid, body.get("spec"), old_spec, dryrun, host_path_roots=roots)
 
 
 def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, **_) -> None:
@@ -108,7 +110,8 @@ def admit_scale(body, namespace: str, name: str, dryrun: bool, memo: kopf.Memo, 
     # Scale.spec.replicas is omitted when it is 0 (omitempty).
     new = {**spec, "replicas": (body.get("spec") or {}).get("replicas", 0)}
     uid = (current.get("metadata") or {}).get("uid") or ""
-    _admit(memo.admission, namespace, name, uid, new, spec, dryrun)
+    roots = memo.runtime.config.host_path_roots
+    _admit(memo.admission, namespace, name, uid, new, spec, dryrun, host_path_roots=roots)
 
 
 def admit_tenant(body, name: str, memo: kopf.Memo, dryrun: bool = False, **_) -> None:
@@ -259,6 +262,8 @@ def _admit(
     new_raw: dict,
     old_raw: dict | None,
     dryrun: bool,
+    *,
+    host_path_roots: Sequence[str],
 ) -> None:
     key = (namespace, name)
     if old_raw is not None and (new_raw or {}) == old_raw:
@@ -281,6 +286,7 @@ def _admit(
             tenant_spec=world.tenants.get(tenant) if tenant else None,
             others=[h for h in charges(stored, reservations) if h.key != key],
             contest=claim.contest_message() if claim.contested else None,
+            host_path_roots=host_path_roots,
         )
         if not verdict.allowed:
             DENIALS.labels(tenant or "", verdict.reason).inc()
@@ -307,12 +313,14 @@ def review_service(
     tenant: str | None,
     tenant_spec: TenantSpec | None,
     others: Iterable[Held],
+    host_path_roots: Sequence[str],
     contest: str | None = None,
 ) -> tuple[Verdict, Held | None]:
     """The verdict on a create (`old_raw` None) or an update of the spec, and what the service is charged
     once admitted (None when nothing is). Pure: the webhook's counterpart of desired.reconcile.plan, built
-    from the same parts."""
-    new, problems = check(new_raw)
+    from the same parts. `host_path_roots`: OperatorConfig.host_path_roots, required so that no caller
+    judges host paths by forgetting them."""
+    new, problems = check(new_raw, host_path_roots=host_path_roots)
     if problems and new_raw != old_raw:
         # Only a changed spec is judged: the operator's own writes (finalizers, annotations) to an object
         # stored before the webhook was on must pass, or it could never be deleted.

@@ -129,8 +129,8 @@ def served_name(name: str, namespace: str, base_ns: str) -> str:
 
 
 SHARING_RULE = (
-    "an adapter's base service must be in the adapter's own namespace, in a namespace no Tenant claims "
-    "(shared by every tenant), or in another namespace of the adapter's own tenant"
+    "an adapter's base service must be in the adapter's own namespace, in a namespace of the platform's "
+    "shared Tenant (spec.shared: true), or in another namespace of the adapter's own tenant"
 )
 
 
@@ -147,7 +147,12 @@ def sharing_problem(adapter: Owner, base: Owner) -> tuple[str, str] | None:
     elif base.contested:
         why = f"namespace {base.namespace} is claimed by several Tenants, so nobody may use its services"
     elif adapter.tenant is None:
-        why = f"namespace {base.namespace} belongs to a tenant, and the adapter's namespace {adapter.namespace} to none"
+        why = (
+            f"the adapter's namespace {adapter.namespace} belongs to no tenant, so its adapters may use no "
+            "other namespace's services"
+        )
+    elif base.tenant is None:
+        why = f"namespace {base.namespace} belongs to no tenant, so nobody may use its services"
     else:
         why = f"namespace {base.namespace} does not belong to tenant {adapter.tenant}, nor is it shared"
     return "BaseNotShared", f"spec.serviceNamespace {base.namespace!r}: {why}; {SHARING_RULE}"

@@ -17,6 +17,7 @@ from flotilla.contract import model_fetch_argv
 from flotilla.fetch_uri import FetchError, HubSource, parse_fetch_uri, redact_uri
 from flotilla.operator.api.v1alpha1 import CLAIM_NAME_MAX, CLAIM_NAME_PATTERN
 from flotilla.operator.config import OperatorConfig
+from flotilla.operator.desired import host_paths
 
 SCHEMES = ("file", "pvc", "hf", "http", "https")
 MOUNT_ROOT = "/mnt/models"
@@ -80,7 +81,7 @@ def parse_model_uri(uri: str) -> ModelUri:
     if scheme == "file":
         if parts.netloc:
             raise ModelUriError(f"{shown!r}: a file uri needs an absolute path, like file:///models/name")
-        path = posixpath.normpath(parts.path or "/")
+        path = host_paths.normalize(parts.path or "/")  # the string checked (validation) is the one mounted
         if path == "/":
             raise ModelUriError(f"{shown!r}: a file uri needs a model folder, like file:///models/name")
         return ModelUri("file", path)
@@ -97,7 +98,15 @@ def parse_model_uri(uri: str) -> ModelUri:
         what = "an hf uri names one repository" if scheme == "hf" else "an http(s) uri names a model archive"
         raise ModelUriError(f"{shown!r}: {what}: {exc}") from None
     if isinstance(source, HubSource):
-        return ModelUri("hf", source.repo_id + (f"@{source.revision}" if source.revision else ""))
+        location = source.repo_id + (f"@{source.revision}" if source.revision else "")
+        # The location becomes a path (under hf_cache_dir, or the fetch's volume): a revision with `.` or
+        # `..` segments, `//` or a trailing `/` could walk out of it. No git ref has them, so none is lost.
+        if posixpath.normpath(location) != location:
+            raise ModelUriError(
+                f"{shown!r}: revision {source.revision!r} has '.' or '..' segments, '//' or a trailing '/'; "
+                "an hf uri names one repository: hf://org/name[@revision]"
+            )
+        return ModelUri("hf", location)
     return ModelUri(scheme, uri)
 
 
@@ -116,7 +125,13 @@ def model_mount(model: ModelUri, config: OperatorConfig, image: str, names: Moun
     if model.scheme == "pvc":
         return claim_mount(model.location, model.sub_path, names)
     if model.scheme == "hf" and config.hf_cache_dir:
-        return _host_path(posixpath.join(config.hf_cache_dir, model.location), names)
+        # The platform's own cache folder, so no tenant root applies; the repository must stay in it all the
+        # same (parse_model_uri refuses a location that could leave it; this holds for any ModelUri).
+        cache = host_paths.normalize(config.hf_cache_dir)
+        path = host_paths.normalize(posixpath.join(cache, model.location))
+        if path == cache or not host_paths.allowed(path, [cache]):
+            raise ModelUriError(f"'hf://{model.location}': {path} is not under the hf cache folder {cache}")
+        return _host_path(path, names)
     return _fetched(model, image, names)
 
 

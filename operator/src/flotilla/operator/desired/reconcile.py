@@ -84,7 +84,14 @@ def plan(obj: dict, world: World) -> Plan:
     owner = owner_of(obj)
     generation = obj["metadata"].get("generation", 0)
     previous = (obj.get("status") or {}).get("conditions") or []
-    spec, problems = check(obj.get("spec") or {}, gpu_types=world.gpu_types, path_exists=world.path_exists)
+    # The host-path roots too: a service the webhook never saw (it was off, or bypassed) is refused here,
+    # and an invalid one gets no children, so no pod ever mounts a host path of the tenant's choice.
+    spec, problems = check(
+        obj.get("spec") or {},
+        gpu_types=world.gpu_types,
+        path_exists=world.path_exists,
+        host_path_roots=world.config.host_path_roots,
+    )
 
     deployment = world.deployment
     current = (deployment or {}).get("spec", {}).get("replicas", 0) if deployment else 0

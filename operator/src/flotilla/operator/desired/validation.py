@@ -1,14 +1,15 @@
 """Semantic validation: specs that are well-formed (the CRD schema passed them) but wrong in meaning.
 
-Pure: what the rules need from the world (the GPU types the nodes offer, whether a path exists) is passed
-in. Each problem names the field, what is wrong and what would be right. `check` is the one entry point:
-the reconciler's Valid condition and the admission webhook's refusals both come from it, worded by
-`describe`, so a person reads the same message in either place.
+Pure: what the rules need from the world (the GPU types the nodes offer, whether a path exists) and from
+the operator's settings (the host-path roots the platform allows) is passed in. Each problem names the
+field, what is wrong and what would be right. `check` is the one entry point: the reconciler's Valid
+condition and the admission webhook's refusals both come from it, worded by `describe`, so a person reads
+the same message in either place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -16,6 +17,7 @@ from pydantic_core import ErrorDetails
 
 from flotilla.contract import ENGINE_KNOBS
 from flotilla.operator.api.v1alpha1 import EngineSettings, InferenceServiceSpec
+from flotilla.operator.desired import host_paths
 from flotilla.operator.desired.model_source import ModelUriError, parse_model_uri
 from flotilla.operator.naming import GPU_TYPE_LABEL
 from flotilla.quantity import quantity_bytes
@@ -56,12 +58,13 @@ def check(
     *,
     gpu_types: Iterable[str] | None = None,
     path_exists: Callable[[str], bool] | None = None,
+    host_path_roots: Sequence[str] | None = None,
 ) -> tuple[InferenceServiceSpec | None, list[Problem]]:
     """The typed spec (None when it does not parse) and every problem with it."""
     spec, problems = parse_spec(raw)
     if spec is None:
         return None, problems
-    return spec, validate(spec, gpu_types=gpu_types, path_exists=path_exists)
+    return spec, validate(spec, gpu_types=gpu_types, path_exists=path_exists, host_path_roots=host_path_roots)
 
 
 def describe(problems: Iterable[Problem]) -> str:
@@ -74,9 +77,12 @@ def validate(
     *,
     gpu_types: Iterable[str] | None,
     path_exists: Callable[[str], bool] | None,
+    host_path_roots: Sequence[str] | None = None,
 ) -> list[Problem]:
     """Problems with a parsed spec. The world's rules are skipped when their input is None: `gpu_types`
-    when the nodes are not known here, `path_exists` when file paths cannot be checked from here."""
+    when the nodes are not known here, `path_exists` when file paths cannot be checked from here. So is
+    the host-path rule when `host_path_roots` is None (a caller that mounts nothing); the two that do, the
+    reconciler and the webhook, pass OperatorConfig.host_path_roots, where empty allows no host path."""
     problems: list[Problem] = []
     auto = spec.autoscaling
     if auto is not None and auto.min_replicas > auto.max_replicas:
@@ -87,13 +93,13 @@ def validate(
                 "InvalidReplicaRange",
             )
         )
-    problems += _model_uri_problems("spec.model.uri", spec.model.uri, path_exists)
+    problems += _model_uri_problems("spec.model.uri", spec.model.uri, path_exists, host_path_roots)
     if spec.engine.kv_cache_memory is not None:
         try:
             quantity_bytes(spec.engine.kv_cache_memory)
         except ValueError as exc:
             problems.append(Problem("spec.engine.kvCacheMemory", str(exc), "InvalidQuantity"))
-    problems += _engine_problems(spec.engine, path_exists)
+    problems += _engine_problems(spec.engine, path_exists, host_path_roots)
     gpu_type = spec.resources.gpu_type
     known = sorted(set(gpu_types or ()))
     if gpu_types is not None and gpu_type is not None and gpu_type not in known:
@@ -108,18 +114,52 @@ def validate(
     return problems
 
 
-def _model_uri_problems(field: str, uri: str, path_exists: Callable[[str], bool] | None) -> list[Problem]:
-    """A model uri we cannot mount, or a file:// path the nodes do not have."""
+def _model_uri_problems(
+    field: str,
+    uri: str,
+    path_exists: Callable[[str], bool] | None,
+    host_path_roots: Sequence[str] | None,
+) -> list[Problem]:
+    """A model uri we cannot mount, a file:// path outside the allowed roots, or one the nodes do not have."""
     try:
         model = parse_model_uri(uri)
     except ModelUriError as exc:
         return [Problem(field, str(exc), "InvalidModelUri")]
+    if model.scheme == "file" and host_path_roots is not None:
+        refusal = host_path_problem(
+            field, uri, model.location, host_path_roots, "a pvc://claim/path or hf://org/name uri"
+        )
+        if refusal is not None:
+            # No existence check: whether a folder outside the roots exists is none of the tenant's business.
+            return [refusal]
     if model.scheme == "file" and path_exists is not None and not path_exists(model.location):
         return [Problem(field, f"model path {model.location} does not exist on the nodes", "ModelNotFound")]
     return []
 
 
-def _engine_problems(engine: EngineSettings, path_exists: Callable[[str], bool] | None) -> list[Problem]:
+def host_path_problem(
+    field: str, value: str, path: str, roots: Sequence[str], otherwise: str
+) -> Problem | None:
+    """The refusal of a host path a tenant named (`value` as written, `path` as it would be mounted) outside
+    the roots the platform allows (host_paths.allowed, the one rule), naming the field, the value and the
+    roots; `otherwise` is what the tenant may use instead. None when it is allowed."""
+    if host_paths.allowed(path, roots):
+        return None
+    where = "" if value == path else f" (host path {path})"
+    if roots:
+        why = f"under none of the host-path roots the operator allows ({', '.join(roots)})"
+        instead = f"name a folder under one of them, or use {otherwise}"
+    else:
+        why = "the operator allows no host paths (no --host-path-root is set)"
+        instead = f"use {otherwise}, or ask the platform team to allow a root"
+    return Problem(field, f"{value!r}{where}: {why}; {instead}", "HostPathNotAllowed")
+
+
+def _engine_problems(
+    engine: EngineSettings,
+    path_exists: Callable[[str], bool] | None,
+    host_path_roots: Sequence[str] | None,
+) -> list[Problem]:
     """The engine settings that are each valid but not together."""
     problems: list[Problem] = []
     if engine.quantization_group_size is not None and engine.quantization != "int4":
@@ -132,7 +172,7 @@ def _engine_problems(engine: EngineSettings, path_exists: Callable[[str], bool] 
                 "InvalidQuantization",
             )
         )
-    problems += _lora_problems(engine, path_exists)
+    problems += _lora_problems(engine, path_exists, host_path_roots)
     speculative = engine.speculative
     if speculative is None:
         return problems
@@ -156,7 +196,7 @@ def _engine_problems(engine: EngineSettings, path_exists: Callable[[str], bool] 
             )
         )
     elif speculative.model is not None:
-        problems += _model_uri_problems(f"{field}.uri", speculative.model.uri, path_exists)
+        problems += _model_uri_problems(f"{field}.uri", speculative.model.uri, path_exists, host_path_roots)
     return problems
 
 
@@ -165,7 +205,11 @@ _DEFAULT_MAX_LORAS = ENGINE_KNOBS["max_loras"].default
 _DEFAULT_MAX_CPU_LORAS = ENGINE_KNOBS["max_cpu_loras"].default
 
 
-def _lora_problems(engine: EngineSettings, path_exists: Callable[[str], bool] | None) -> list[Problem]:
+def _lora_problems(
+    engine: EngineSettings,
+    path_exists: Callable[[str], bool] | None,
+    host_path_roots: Sequence[str] | None,
+) -> list[Problem]:
     """spec.engine.lora's rules across fields: the engine's own (EngineConfig refuses them at start), worded
     here so that the webhook refuses them before a pod crashes on them."""
     lora = engine.lora
@@ -211,7 +255,22 @@ def _lora_problems(engine: EngineSettings, path_exists: Callable[[str], bool] | 
                 "InvalidLoRA",
             )
         )
-    if lora.adapter_dir and path_exists is not None and not path_exists(lora.adapter_dir):
+    if not lora.adapter_dir:
+        return problems
+    # Checked as workload.lora_adapter_mount mounts it (normalized); outside the roots, not probed.
+    mounted = host_paths.normalize(lora.adapter_dir)
+    refusal = None
+    if host_path_roots is not None:
+        refusal = host_path_problem(
+            "spec.engine.lora.adapterDir",
+            lora.adapter_dir,
+            mounted,
+            host_path_roots,
+            "adapterClaim (a PersistentVolumeClaim)",
+        )
+    if refusal is not None:
+        problems.append(refusal)
+    elif path_exists is not None and not path_exists(lora.adapter_dir):
         problems.append(
             Problem(
                 "spec.engine.lora.adapterDir",

@@ -6,7 +6,6 @@ with server-side apply, so every field written here is a field the operator owns
 from __future__ import annotations
 
 import base64
-import posixpath
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ from flotilla.contract import (
     ENGINE_PORT,
     ENGINE_TOKEN_SECRET,
     ENGINE_TOKEN_SECRET_KEY,
+    ENV_GATEWAY_TOKEN_SHA256,
     ENV_INTERNAL_TOKEN,
     ENV_NAMESPACE,
     ENV_POD_IP,
@@ -34,6 +34,8 @@ from flotilla.contract import (
     engine_base_url,
     engine_serve_argv,
     engine_token,
+    gateway_token,
+    token_digest,
 )
 from flotilla.operator.api.v1alpha1 import (
     API_VERSION,
@@ -42,6 +44,7 @@ from flotilla.operator.api.v1alpha1 import (
     InferenceServiceSpec,
 )
 from flotilla.operator.config import ENGINE_SHUTDOWN_DELAY, OperatorConfig
+from flotilla.operator.desired import host_paths
 from flotilla.operator.desired.model_source import (
     DRAFT_MODEL,
     LORA_ADAPTER_CLAIM,
@@ -181,7 +184,8 @@ LORA_ADAPTERS_VOLUME = "lora-adapters"
 
 def lora_adapter_mount(spec: InferenceServiceSpec) -> ModelMount:
     """Where the replicas read LoRAAdapters' files from, read-only: spec.engine.lora.adapterDir at its own
-    path (a hostPath), so that a file:// source is the same path in the pod as on the node; and
+    path (a hostPath, under one of the platform's allowed roots: validation refuses any other before a pod
+    is built), so that a file:// source is the same path in the pod as on the node; and
     spec.engine.lora.adapterClaim as a pvc:// model's claim is mounted (claim_mount, at
     /mnt/lora-adapters/<claim>), where a pvc:// source's folder is (desired/lora_adapter.adapter_path).
     Nothing when both are unset or LoRA is off (the path is adapterDir's, or empty)."""
@@ -190,7 +194,7 @@ def lora_adapter_mount(spec: InferenceServiceSpec) -> ModelMount:
         return ModelMount(path="")
     mount = ModelMount(path="")
     if lora.adapter_dir:
-        path = posixpath.normpath(lora.adapter_dir)
+        path = host_paths.normalize(lora.adapter_dir)  # as validation checked it against the allowed roots
         mount = ModelMount(
             path=path,
             volumes=[{"name": LORA_ADAPTERS_VOLUME, "hostPath": {"path": path, "type": "Directory"}}],
@@ -241,10 +245,14 @@ def _env(owner: Owner, tenant: str, config: OperatorConfig) -> list[dict]:
         {"name": "HOME", "value": "/tmp"},
     ]
     if config.engine_token_master is not None:
-        # The namespace's internal token (engine_token_secret), which lets the gateway name a request's
-        # tenant. From the Secret, so that it appears in no pod spec.
+        # The namespace's internal token (engine_token_secret), which adapter loads need: the operator's.
+        # From the Secret, so that it appears in no pod spec.
         secret = {"name": ENGINE_TOKEN_SECRET, "key": ENGINE_TOKEN_SECRET_KEY}
         env.append({"name": ENV_INTERNAL_TOKEN, "valueFrom": {"secretKeyRef": secret}})
+        # Only the digest of the gateway's credential, which lets a request name its tenant: whoever reads
+        # the pod spec learns nothing that would pass.
+        digest = token_digest(gateway_token(config.engine_token_master))
+        env.append({"name": ENV_GATEWAY_TOKEN_SHA256, "value": digest})
     return env
 
 

@@ -252,6 +252,16 @@ def shared_adapter_counters(
     }
 
 
+def foreign_adapter_tokens(added: Mapping[str, TokenCount], namespaces: Iterable[str]) -> TokenCount:
+    """Of the tokens added per adapter (count_adapter_tokens: `namespace/name` keys), those of adapters
+    outside `namespaces`: other tenants' adapters that a shared Tenant's base serves. Their own tenants'
+    rounds count them (shared_adapter_counters), so the shared Tenant's `tokens` leave them out and each
+    token counts for one tenant only."""
+    mine = set(namespaces)
+    outside = [t for key, t in added.items() if key.partition("/")[0] not in mine]
+    return TokenCount(input=sum(t.input for t in outside), output=sum(t.output for t in outside))
+
+
 def adapter_usage(
     previous: Mapping[str, AdapterUsage],
     added: Mapping[str, TokenCount],

@@ -80,7 +80,9 @@ def review(
             False,
             f"namespace {namespace} belongs to no tenant: InferenceService {namespace}/{name} asks for "
             f"{new.gpus} GPUs, but no Tenant lists {namespace} in spec.namespaces or selects it, so "
-            "there is no quota to charge; ask the platform team to add the namespace to a Tenant",
+            "there is no quota to charge and no tenant may use its services; ask the platform team to add "
+            "the namespace to a Tenant, or, to share its services with every tenant, to the platform's "
+            "shared Tenant (spec.shared: true), whose quota is charged",
             "NoTenant",
         )
     others = [h for h in others if h.tenant == tenant]
