@@ -16,6 +16,19 @@ if ! command -v go >/dev/null 2>&1; then
   exit 1
 fi
 
+# Redis, the store the gateway replicas share their tenants' rate limits in (flotilla.gateway.tenant_limits):
+# the tests run the real server, Debian's.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing Debian's redis-server (the gateway's shared rate limits are tested on it)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  else
+    echo "bootstrap: redis-server is needed (Debian: apt-get install redis-server) for the shared rate-limit tests" >&2
+    exit 1
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "bootstrap: creating .venv"
   "$PYTHON" -m venv .venv

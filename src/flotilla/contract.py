@@ -333,6 +333,9 @@ GATEWAY_ADDED_LATENCY = "flotilla_gateway_added_latency_seconds"  # histogram: a
 GATEWAY_HELD_REQUESTS = "flotilla_gateway_held_requests"  # gauge {model}: waiting for a replica
 GATEWAY_COLD_START = "flotilla_gateway_cold_start_seconds"  # histogram {model}: held until a replica served
 GATEWAY_RATE_LIMITED = "flotilla_gateway_rate_limited"  # counter {tenant, limit}
+GATEWAY_RATE_LIMIT_STORE_ERRORS = (
+    "flotilla_gateway_rate_limit_store_errors"  # counter: Redis failed, decided locally
+)
 GATEWAY_RETRIES = "flotilla_gateway_retries"  # counter {model}
 # counter {reason}: streams that lost their replica after their first output (ended with an error event)
 GATEWAY_STREAM_ERRORS = "flotilla_gateway_stream_errors"

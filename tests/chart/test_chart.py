@@ -345,6 +345,22 @@ def test_host_path_roots_become_the_operators_flags(default_docs):
     assert _parse(_operator_container(docs)).host_path_root == ["/var/lib/flotilla/models", "/srv/adapters"]
 
 
+def test_a_rate_limit_redis_makes_every_gateway_replica_share_the_buckets(default_docs):
+    """Unset (the default), each replica counts alone; set, every replica's gateway container is given it
+    (parsed with the real CLI)."""
+    gateway = _containers(_gateway_pod(default_docs))["gateway"]
+    assert _parse(gateway).rate_limit_redis is None
+    docs = render("--set", "gateway.replicas=3", "--set", "gateway.rateLimitRedis=redis://redis.infra:6379/2")
+    deployment = one(docs, "Deployment", "flotilla-gateway")
+    assert deployment["spec"]["replicas"] == 3
+    gateway = _containers(deployment["spec"]["template"])["gateway"]
+    assert _parse(gateway).rate_limit_redis == "redis://redis.infra:6379/2"
+    bad = helm(
+        "template", "flotilla", str(CHART), "--set", "gateway.rateLimitRedis=redis.infra:6379", check=False
+    )
+    assert bad.returncode != 0 and "rateLimitRedis" in bad.stderr  # not a redis:// URL
+
+
 def test_the_pools_picker_reference_names_the_gateways_service(default_docs):
     # endpointPickerRef names contract.GATEWAY_SERVICE: the chart's gateway Service, in the namespace that
     # the operator reports the pools' parent in (its own, --operator-namespace).

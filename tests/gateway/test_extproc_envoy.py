@@ -237,11 +237,11 @@ def test_completions_and_a_streamed_chat_through_envoy_with_the_openai_client(
     engines, make_front, body_mode, monkeypatch
 ):
     front = make_front(HandSetFleet([service("chat", [engines[0].url])]), {"body_mode": body_mode})
-    limiter = front.handle.gateway.door.limiter
+    limits = front.handle.gateway.door.limits
     charged: list[tuple[str, int]] = []
-    charge = limiter.charge_tokens
-    monkeypatch.setattr(limiter, "charge_tokens", lambda tenant, n, now: (charged.append((tenant, n)),
-                                                                          charge(tenant, n, now)))  # fmt: skip
+    charge = limits.charge
+    monkeypatch.setattr(limits, "charge", lambda tenant, shape, n: (charged.append((tenant, n)),
+                                                                    charge(tenant, shape, n)))  # fmt: skip
     client = openai.OpenAI(base_url=front.url + "/v1", api_key=KEY_A, max_retries=0)
     completion = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4,
                                            extra_body={"ignore_eos": True})  # fmt: skip

@@ -28,7 +28,7 @@ from flotilla.contract import OPENAI_PATH
 from flotilla.gateway.config import GatewaySettings
 from flotilla.gateway.core.keys import parse_bearer
 from flotilla.gateway.core.picker import Decision
-from flotilla.gateway.core.rate_limit import Limited, LimitKind, RateLimiter
+from flotilla.gateway.core.rate_limit import Limited, LimitKind
 from flotilla.gateway.core.services import ServiceView, routable, scales_from_zero
 from flotilla.gateway.engine_stats import EngineStats
 from flotilla.gateway.errors import GatewayError
@@ -37,6 +37,7 @@ from flotilla.gateway.hold import HoldQueue, QueueFull, Ready, Refused, TimedOut
 from flotilla.gateway.metrics import GatewayMetrics
 from flotilla.gateway.prompts import PromptHasher
 from flotilla.gateway.router import Router
+from flotilla.gateway.tenant_limits import tenant_limits
 
 DEMAND_INTERVAL = 5.0  # seconds between two demand signals for one service while requests wait
 COMPLETIONS, CHAT_COMPLETIONS = OPENAI_PATH + "/completions", OPENAI_PATH + "/chat/completions"
@@ -80,7 +81,8 @@ class FrontDoor:
         self.stats = stats or EngineStats(fleet.endpoint_urls)
         self.metrics = GatewayMetrics()
         self.router = Router(settings.routing, self.stats)
-        self.limiter = RateLimiter()
+        # The tenants' rate-limit buckets: this replica's, or every replica's in Redis (tenant_limits.py).
+        self.limits = tenant_limits(settings.rate_limit_store, self.metrics.rate_limit_store_errors.inc)
         self.holds = HoldQueue(settings.max_held)
         self.hasher = PromptHasher()
         self.demand_sent: dict[str, float] = {}
@@ -148,16 +150,21 @@ class FrontDoor:
         return {"object": "list", "data": data}
 
     # -- the body -------------------------------------------------------------------------------------
-    def admit(self, tenant: str | None, content: bytes, chat: bool) -> Admitted:
-        """The body's checks (400, 404/403), then the tenant's rate limits (429)."""
-        body = parse_body(content)
-        service = self.resolve(body, tenant)
+    async def admit(self, tenant: str | None, content: bytes, chat: bool) -> Admitted:
+        """The body's checks (400, 404), then the tenant's rate limits (429)."""
+        admitted = self.check(tenant, content, chat)
         if tenant is not None:
-            limited = self.limiter.admit(tenant, self.fleet.rate_limits(tenant), time.monotonic())
+            limited = await self.limits.admit(tenant, self.fleet.rate_limits(tenant))
             if isinstance(limited, Limited):
                 self.metrics.rate_limited.labels(tenant, limited.limit).inc()
                 raise GatewayError(429, limited.message, code="rate_limit_exceeded",
                                    headers={"Retry-After": str(limited.retry_after_seconds)})  # fmt: skip
+        return admitted
+
+    def check(self, tenant: str | None, content: bytes, chat: bool) -> Admitted:
+        """The body's checks alone (400, 404): what the request is, before any limit is spent on it."""
+        body = parse_body(content)
+        service = self.resolve(body, tenant)
         if body["model"] != service.upstream_model:  # `namespace/name`, or an adapter on a shared base
             body["model"] = service.upstream_model
             content = json.dumps(body).encode()
@@ -242,7 +249,7 @@ class FrontDoor:
         )
         known = self.hasher.known(service.base_key)
         if admitted.tenant is not None and tokens:
-            self.limiter.charge_tokens(admitted.tenant, tokens, time.monotonic())
+            self.charge(admitted.tenant, tokens)
         return Prompt(tokens, hashes, known.num_blocks if known else None, known.block_size if known else 1)
 
     def count_prompt(self, prompt: Prompt, decision: Decision) -> None:
@@ -259,17 +266,22 @@ class FrontDoor:
             return
         with contextlib.suppress(ValueError, LookupError, TypeError):  # an error body has no usage
             completion = int(json.loads(data)["usage"]["completion_tokens"])
-            self.limiter.charge_tokens(tenant, completion, time.monotonic())
+            self.charge(tenant, completion)
 
     def charge_events(self, tenant: str | None, events: int) -> None:
         """A streamed response's completion, about one token per event."""
         if tenant is not None and events:
-            self.limiter.charge_tokens(tenant, events, time.monotonic())
+            self.charge(tenant, events)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """Tokens taken from the tenant's token bucket (without waiting for a shared store)."""
+        self.limits.charge(tenant, self.fleet.rate_limits(tenant), tokens)
 
     async def close(self) -> None:
         self.holds.fail_everything("the gateway is shutting down")
         await self.hasher.close()
         await self.stats.close()
+        await self.limits.close()
 
 
 def count_events(chunk: bytes) -> int:

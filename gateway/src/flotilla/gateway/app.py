@@ -98,7 +98,7 @@ class Gateway:
     async def _serve(self, request: Request, chat: bool, arrival: float, labels: dict[str, str]) -> Response:
         tenant = self.door.authenticate(request.headers.get("authorization"))
         labels["tenant"] = tenant or ""
-        admitted = self.door.admit(tenant, await self.read_body(request), chat)
+        admitted = await self.door.admit(tenant, await self.read_body(request), chat)
         service, content, body, path = admitted.service, admitted.content, admitted.body, admitted.path
         labels["model"] = service.served_name
         stream = admitted.stream

@@ -46,6 +46,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                           "tenant, and the picker answers only callers with its credential")  # fmt: skip
     run.add_argument("--static-model", action="append", default=[], metavar="NAME=URL[,URL...]",
                      help="serve NAME from fixed engine URLs, without Kubernetes or keys (benchmarks)")  # fmt: skip
+    run.add_argument("--rate-limit-redis", default=None, metavar="URL",
+                     help="redis://HOST:PORT/DB holding every gateway replica's rate-limit buckets, so a tenant's "
+                          "limits are global (unset: each replica counts alone)")  # fmt: skip
     run.add_argument("--max-body-bytes", type=int, default=None)
     run.add_argument("--hold-timeout", type=float, default=None, help="seconds a request waits for a replica")
     run.add_argument("--max-held", type=int, default=None, help="requests held per service before 429")
@@ -116,6 +119,7 @@ def _settings(args: argparse.Namespace):
     from flotilla.gateway.config import GatewaySettings
 
     given = {
+        "rate_limit_store": args.rate_limit_redis,
         "max_body_bytes": args.max_body_bytes,
         "hold_timeout": args.hold_timeout,
         "max_held": args.max_held,

@@ -25,5 +25,8 @@ class GatewaySettings:
     # and the picker's (contract.picker_token) derive from it. Without it the gateway names no tenant to
     # the engines, which then count requests under their own tenant, and the picker answers anyone.
     engine_token_master: str | None = None
+    # Redis (redis://host:port/db) holding every gateway replica's rate-limit buckets, so that a tenant's
+    # limits are global; unset: each replica counts alone (tenant_limits.py).
+    rate_limit_store: str | None = None
     require_keys: bool = True  # False only for a static fleet (benchmarks): no tenants, no keys
     upstream_timeout: float = 600.0  # seconds between two upstream bytes before the gateway gives up

@@ -15,6 +15,7 @@ from flotilla.contract import (
     GATEWAY_HELD_REQUESTS,
     GATEWAY_PREDICTED_HIT_TOKENS,
     GATEWAY_PROMPT_TOKENS,
+    GATEWAY_RATE_LIMIT_STORE_ERRORS,
     GATEWAY_RATE_LIMITED,
     GATEWAY_REQUESTS,
     GATEWAY_RETRIES,
@@ -54,6 +55,11 @@ class GatewayMetrics:
                                     [LABEL_MODEL], buckets=COLD_START_BUCKETS, registry=r)  # fmt: skip
         self.rate_limited = Counter(GATEWAY_RATE_LIMITED, "requests refused by a tenant rate limit",
                                     [LABEL_TENANT, LABEL_LIMIT], registry=r)  # fmt: skip
+        self.rate_limit_store_errors = Counter(
+            GATEWAY_RATE_LIMIT_STORE_ERRORS,
+            "rate-limit decisions the shared store failed (decided by this replica's own buckets instead)",
+            registry=r,
+        )
         self.retries = Counter(
             GATEWAY_RETRIES, "requests retried on another replica", [LABEL_MODEL], registry=r
         )

@@ -13,6 +13,7 @@ from flotilla.monitoring.rules.names import (
     ALERT_NOT_READY,
     ALERT_OPERATOR_DOWN,
     ALERT_QUOTA,
+    ALERT_RATE_LIMIT_STORE,
     ALERT_RECONCILE_ERRORS,
     ALERT_TTFT,
     DENIAL_SPIKE,
@@ -155,5 +156,18 @@ ALERTS = (
         "kubectl get pods -n flotilla-system and the operator's log; check that Prometheus scrapes it "
         "(the pod's prometheus.io annotations, --metrics-port).",
         signal=f"sum({c.counter_total(c.RECONCILES)})",
+    ),
+    Alert(
+        ALERT_RATE_LIMIT_STORE,
+        f"sum by (instance) (increase({c.counter_total(c.GATEWAY_RATE_LIMIT_STORE_ERRORS)}[5m])) > 0",
+        "5m",
+        "warning",
+        "Gateway {{ $labels.instance }} cannot reach its rate-limit Redis",
+        "Its rate-limit decisions have failed over to its own buckets for 5 minutes: each gateway replica "
+        "counts tenants' limits alone, so a tenant may get up to N times its limits over N replicas.",
+        "Check the Redis the chart's gateway.rateLimitRedis names (reachable from the gateway pods, not "
+        "out of memory) and the gateway's log for 'rate-limit store'; the limits are global again within "
+        "seconds of Redis answering.",
+        signal=f"sum by (instance) (increase({c.counter_total(c.GATEWAY_RATE_LIMIT_STORE_ERRORS)}[5m])) > bool 0",
     ),
 )

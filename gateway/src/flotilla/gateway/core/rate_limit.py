@@ -99,26 +99,13 @@ class RateLimiter:
     def admit(self, tenant: str, limits: RateLimits, now: float) -> Admitted | Limited:
         """Admit one request now (taking one from its request bucket), or say which limit refuses it and
         when to retry. Nothing is taken from a refused request's buckets."""
-        requests = _sync(self._requests, tenant, _request_shape(limits), now)
-        tokens = _sync(self._tokens, tenant, _token_shape(limits), now)
+        requests = _sync(self._requests, tenant, request_shape(limits), now)
+        tokens = _sync(self._tokens, tenant, token_shape(limits), now)
         refusals: list[Limited] = []
         if requests is not None and requests.level < 1:
-            refusals.append(
-                Limited(
-                    "requests",
-                    requests.seconds_to_reach(1),
-                    f"tenant {tenant} exceeded its rate limit of {limits.requests_per_second:g} "
-                    "requests per second",
-                )
-            )
+            refusals.append(refusal("requests", requests.seconds_to_reach(1), tenant, limits))
         if tokens is not None and tokens.level <= 0:
-            refusals.append(
-                Limited(
-                    "tokens",
-                    tokens.seconds_to_exceed(0),
-                    f"tenant {tenant} exceeded its rate limit of {limits.tokens_per_minute} tokens per minute",
-                )
-            )
+            refusals.append(refusal("tokens", tokens.seconds_to_exceed(0), tenant, limits))
         if refusals:
             return max(refusals, key=lambda r: r.retry_after_seconds)
         if requests is not None:
@@ -139,13 +126,22 @@ class RateLimiter:
         self._tokens.pop(tenant, None)
 
 
-def _request_shape(limits: RateLimits) -> tuple[float, float] | None:
+def refusal(limit: LimitKind, retry_after_seconds: int, tenant: str, limits: RateLimits) -> Limited:
+    """The 429 of `limit`, worded once for every store of the buckets (gateway/tenant_limits.py too)."""
+    if limit == "requests":
+        what = f"{limits.requests_per_second:g} requests per second"
+    else:
+        what = f"{limits.tokens_per_minute} tokens per minute"
+    return Limited(limit, retry_after_seconds, f"tenant {tenant} exceeded its rate limit of {what}")
+
+
+def request_shape(limits: RateLimits) -> tuple[float, float] | None:
     """(capacity, rate): one second of requests as burst, and never less than one whole request."""
     rps = limits.requests_per_second
     return None if rps is None else (max(1.0, rps), rps)
 
 
-def _token_shape(limits: RateLimits) -> tuple[float, float] | None:
+def token_shape(limits: RateLimits) -> tuple[float, float] | None:
     """(capacity, rate): a minute's tokens as burst, refilled evenly over the minute."""
     tpm = limits.tokens_per_minute
     return None if tpm is None else (float(tpm), tpm / 60.0)

@@ -110,7 +110,7 @@ class PickerStream:
         self.chat = path == CHAT_COMPLETIONS
         self.door.check_declared_size(self.headers.get("content-length"))
         if request.request_headers.end_of_stream:  # no body: the JSON check refuses it
-            self.door.admit(self.tenant, b"", self.chat)
+            self.door.check(self.tenant, b"", self.chat)
         if self.duplex:
             return None  # answered with the pick, once the body is read
         return responses.continue_headers(request_phase=True)
@@ -123,7 +123,7 @@ class PickerStream:
                 yield responses.continue_body(request_phase=True)
             return
         door = self.door
-        admitted = self.admitted = door.admit(self.tenant, bytes(self.body), self.chat)
+        admitted = self.admitted = await door.admit(self.tenant, bytes(self.body), self.chat)
         service = admitted.service
         self.labels["model"] = service.served_name
         if not routable(service):
