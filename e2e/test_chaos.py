@@ -673,7 +673,9 @@ def test_the_operator_killed_after_reserving_quota_refuses_the_request_and_the_r
     """The review wrote its reservation and died before answering: the API server refuses the create
     (the webhook fails closed), the quota is never exceeded, and the orphaned reservation stops counting
     within its time to live, so a request that fits is admitted again."""
-    absent = tmp_path / "absent-model"  # its pods never load anything: the quota is what is under test
+    # Its pods never load anything: the quota is what is under test. Under the operator's host-path root,
+    # so that the webhook gets as far as the quota.
+    absent = fleet.workdir / f"absent-model-{tmp_path.name}"
 
     def create(name: str, replicas: int) -> subprocess.CompletedProcess:
         body = inference_service(name, absent, fleet.ns, replicas=replicas)

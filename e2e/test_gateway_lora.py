@@ -4,7 +4,8 @@ LoRAAdapters). The base InferenceService is in a namespace of the platform's sha
 (`spec.shared: true`: its services are every tenant's, its GPUs its quota's); each tenant's
 LoRAAdapter in its own namespace names it (spec.serviceNamespace), under the same name `sql`. Each key
 reaches only its own adapter (401, 404 otherwise) and lists only its own in /v1/models (with
-`parent`); an adapter on a base in another tenant's namespace is refused in its status (BaseNotShared);
+`parent`); the operator runs with its admission webhook, as a platform runs it: the shared base and both
+tenants' adapters are admitted, an adapter on a base in another tenant's namespace is refused at create;
 each tenant's status meters its own adapter's tokens, and the shared Tenant's the base's GPU time; after
 the engine pod is killed, a request is held until the new replica has the adapter loaded, then served.
 
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from flotilla import manifest_yaml
-from flotilla.cluster.handle import ClusterHandle, wait_for
+from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.gateway.cmd import key_secret
 from flotilla.gateway.local import GatewayProcess, service_account_token
 from flotilla.operator.cmd.local import (
@@ -32,6 +33,8 @@ from flotilla.operator.cmd.local import (
     service_account_kubeconfig,
     tiny_model,
 )
+from flotilla.operator.controllers.webhook_tls import SECRET_NAME as WEBHOOK_TLS_SECRET
+from flotilla.operator.tenancy.settings import WebhookSettings
 
 pytestmark = pytest.mark.cluster
 
@@ -94,8 +97,10 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
     install_manifests(cluster)
     master = workdir / "engine-token"
     master.write_text(uuid.uuid4().hex)
+    # With its admission webhook (failurePolicy Fail), as a platform runs it.
     operator = OperatorProcess(service_account_kubeconfig(cluster, workdir / "operator.kubeconfig"),
-                               workdir / "operator.log", ("--engine-token-file", str(master)),
+                               workdir / "operator.log",
+                               ("--engine-token-file", str(master), "--webhook-port", str(free_port())),
                                host_path_roots=(workdir,))  # fmt: skip
     token = service_account_token(cluster, OPERATOR_NS)
     gateway = GatewayProcess(kubeconfig_for(cluster, workdir / "gateway.kubeconfig", {"token": token}),
@@ -115,11 +120,19 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
         inference_service("base", model, NS_B, replicas=0, served_name=f"b-{RUN}", engine=engine),
         _adapter("sql", NS_A, adapters / "sql-a"),
         _adapter("sql", NS_B, adapters / "sql-b"),
-        _adapter("stolen", NS_A, adapters / "sql-a", base_ns=NS_B),
     ]
     operator.start()
     try:
-        cluster.apply(manifest_yaml.dump_all(docs))
+        wait_for(
+            lambda: (
+                cluster.kubectl(
+                    "apply", "-f", "-", input=manifest_yaml.dump_all(docs), check=False
+                ).returncode
+                == 0
+            ),
+            60,
+            "the shared base and both tenants' adapters admitted by the operator's webhook",
+        )
         gateway.start()
         yield Env(cluster, gateway)
     finally:
@@ -130,6 +143,11 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
         for ns in (NS_A, NS_B, NS_SHARED):
             cluster.kubectl("delete", "fisvc", "--all", "-n", ns, "--timeout=60s", check=False)
         operator.stop()
+        # The webhook and its TLS Secret go with this host-process operator.
+        cluster.kubectl("delete", "validatingwebhookconfiguration", WebhookSettings().configuration,
+                        "--ignore-not-found", check=False)  # fmt: skip
+        cluster.kubectl("delete", "secret", WEBHOOK_TLS_SECRET, "-n", OPERATOR_NS, "--ignore-not-found",
+                        check=False)  # fmt: skip
         for ns in (NS_A, NS_B, NS_SHARED):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         cluster.kubectl("delete", "tenant", TENANT_A, TENANT_B, TENANT_SHARED, "--wait=false", check=False)
@@ -171,14 +189,15 @@ def test_two_tenants_adapters_on_one_shared_base_each_key_reaches_its_own_and_is
     assert mine["sql"]["parent"] == SERVED and theirs["sql"]["parent"] == SERVED
     assert f"{NS_B}/sql" not in mine and f"{NS_A}/sql" not in theirs and "stolen" not in theirs
 
-    # A base in another tenant's namespace: refused in status, loaded nowhere, and refused at the gateway.
-    stolen = env.adapter("stolen", NS_A)["status"]
-    ready = {c["type"]: c for c in stolen["conditions"]}["Ready"]
-    assert ready["reason"] == "BaseNotShared" and f"spec.serviceNamespace {NS_B!r}" in ready["message"], (
-        stolen
+    # A base in another tenant's namespace: refused by the webhook, naming the field and the value; nothing
+    # stored, so nothing to load or route.
+    stolen = manifest_yaml.dump_all([_adapter("stolen", NS_A, Path("/nowhere"), base_ns=NS_B)])
+    refused = env.cluster.kubectl("apply", "-f", "-", input=stolen, check=False)
+    assert refused.returncode != 0 and "spec.serviceNamespace" in refused.stderr and NS_B in refused.stderr, (
+        refused.stderr
     )
-    assert stolen.get("replicas") == []
-    assert env.post("stolen").status_code == 503
+    assert env.cluster.kubectl("get", "loraadapter", "stolen", "-n", NS_A, check=False).returncode != 0
+    assert env.post("stolen").status_code == 404
 
     # Metering: each tenant's status counts its own adapter's tokens (served by the shared engine as
     # `namespace/name`), and never the other's.

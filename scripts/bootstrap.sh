@@ -16,15 +16,21 @@ if ! command -v go >/dev/null 2>&1; then
   exit 1
 fi
 
-# Redis, the store the gateway replicas share their tenants' rate limits in (flotilla.gateway.tenant_limits):
-# the tests run the real server, Debian's.
-if ! command -v redis-server >/dev/null 2>&1; then
+# Debian's packages the tests run for real: redis-server (the store the gateway replicas share their tenants'
+# rate limits in, flotilla.gateway.tenant_limits) and buildah, runc and debootstrap (`flotilla images build`
+# makes the images from the Dockerfile with them, and the tests start what it builds).
+needed=()
+command -v redis-server >/dev/null 2>&1 || needed+=(redis-server)
+command -v buildah >/dev/null 2>&1 || needed+=(buildah)
+[ -x /usr/sbin/runc ] || needed+=(runc)
+command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || needed+=(debootstrap)
+if [ "${#needed[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "bootstrap: installing Debian's redis-server (the gateway's shared rate limits are tested on it)"
+    echo "bootstrap: installing Debian's ${needed[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${needed[@]}" >/dev/null
   else
-    echo "bootstrap: redis-server is needed (Debian: apt-get install redis-server) for the shared rate-limit tests" >&2
+    echo "bootstrap: the tests need Debian's ${needed[*]} (apt-get install ${needed[*]})" >&2
     exit 1
   fi
 fi

@@ -24,6 +24,7 @@ GROUPS: dict[str, tuple[str, str]] = {
         "the OpenAI front door: tenant keys, rate limits, routing, scale from zero",
     ),
     "cluster": ("flotilla.cluster.cli", "the local Kubernetes cluster: build, up, down, status"),
+    "images": ("flotilla.images.cli", "build the container images from the Dockerfile with buildah"),
     "usage": ("flotilla.operator.cmd.usage", "GPU usage and cost reports per tenant"),
     "demo": ("flotilla.demo", "the operator, a Tenant and a Ready InferenceService on the local cluster"),
     "monitoring": (
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if not _is_absent(module_name, exc):
                 raise
+            # Whatever follows (`flotilla engine serve ...`) gets the one line that says why.
+            group.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             group.set_defaults(func=_not_installed(name, module_name))
             continue
         if hasattr(module, "configure"):  # a group that is one command with options (flotilla usage)

@@ -55,7 +55,11 @@ class GatewayProcess:
         wait_for(self.healthy, timeout, f"the gateway's /health (log: {self.log_path})")
         envoy_log = self.log_path.with_name(self.log_path.stem + "-envoy.log")
         self.envoy = EnvoyProcess(
-            bootstrap(picker_host="127.0.0.1", picker_port=self.picker_port, hold_timeout=HOLD_TIMEOUT),
+            # As the chart's envoy-config writes it: the picker's and the gateway's credentials from the master
+            # token, and a node id of its own.
+            bootstrap(picker_host="127.0.0.1", picker_port=self.picker_port, hold_timeout=HOLD_TIMEOUT,
+                      master_token=self.engine_token_file.read_text().strip(),
+                      node_id=f"flotilla-gateway-{self.picker_port}"),  # fmt: skip
             envoy_log,
         )
         self.envoy.start(timeout)
