@@ -57,9 +57,13 @@ class GatewayProcess:
         self.envoy = EnvoyProcess(
             # As the chart's envoy-config writes it: the picker's and the gateway's credentials from the master
             # token, and a node id of its own.
-            bootstrap(picker_host="127.0.0.1", picker_port=self.picker_port, hold_timeout=HOLD_TIMEOUT,
-                      master_token=self.engine_token_file.read_text().strip(),
-                      node_id=f"flotilla-gateway-{self.picker_port}"),  # fmt: skip
+            bootstrap(
+                picker_host="127.0.0.1",
+                picker_port=self.picker_port,
+                hold_timeout=HOLD_TIMEOUT,
+                master_token=self.engine_token_file.read_text().strip(),
+                node_id=f"flotilla-gateway-{self.picker_port}",
+            ),
             envoy_log,
         )
         self.envoy.start(timeout)
