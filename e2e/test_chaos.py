@@ -243,15 +243,8 @@ def fleet(cluster: ClusterHandle, tmp_path_factory):
     f.witness = PodWitness(cluster, f.ns)
     f.gateway = GatewayProcess(f.gateway_kubeconfig, workdir / "gateway.log", OPERATOR_NS, master)
     try:
-        wait_for(
-            lambda: (
-                cluster.kubectl(
-                    "apply", "-f", "-", input=manifest_yaml.dump_all(docs), check=False
-                ).returncode
-                == 0
-            ),
-            60,
-            "the fleet's objects admitted by the operator's webhook",
+        cluster.apply_once_admitted(
+            manifest_yaml.dump_all(docs), 60, "the fleet's objects admitted by the operator's webhook"
         )
         f.gateway.start()
         wait_for(lambda: f.converged(2), 300, "two ready replicas of chat")

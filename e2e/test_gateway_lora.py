@@ -123,15 +123,10 @@ def env(cluster: ClusterHandle, tmp_path_factory) -> Iterator[Env]:
     ]
     operator.start()
     try:
-        wait_for(
-            lambda: (
-                cluster.kubectl(
-                    "apply", "-f", "-", input=manifest_yaml.dump_all(docs), check=False
-                ).returncode
-                == 0
-            ),
+        cluster.apply_once_admitted(
+            manifest_yaml.dump_all(docs),
             60,
-            "the shared base and both tenants' adapters admitted by the operator's webhook",
+            "the shared base and both tenants' adapters admitted by the webhook",
         )
         gateway.start()
         yield Env(cluster, gateway)

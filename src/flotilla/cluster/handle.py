@@ -48,6 +48,15 @@ class ClusterHandle:
         ns = ["-n", namespace] if namespace else []
         return self.kubectl("apply", *ns, "-f", "-", input=manifest)
 
+    def apply_once_admitted(self, manifest: str, timeout: float, what: str) -> None:
+        """Applies `manifest` as soon as the admission webhook answers: an operator that just started
+        serves its webhook moments later, and with failurePolicy Fail every write fails until then."""
+        wait_for(
+            lambda: self.kubectl("apply", "-f", "-", input=manifest, check=False).returncode == 0,
+            timeout,
+            what,
+        )
+
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.5) -> T:
     """Polls until predicate returns something truthy; fails naming what was awaited and the last value."""
