@@ -18,11 +18,15 @@ from flotilla.contract import ENVOY_NODE_METADATA, PICKER_TOKEN_METADATA, token_
 from flotilla.gateway.extproc import health
 
 
-def metadata(context: Any) -> dict[str, str]:
-    """The call's metadata as a dict (lower-case keys, as gRPC sends them); {} for a context without any."""
-    read = getattr(context, "invocation_metadata", None)
-    pairs: Any = read() if callable(read) else None
+def _as_dict(pairs: Any) -> dict[str, str]:
+    """gRPC metadata (key, value) pairs as a dict: lower-case keys, text values only (binary ones end -bin)."""
     return {str(k).lower(): v for k, v in pairs or () if isinstance(v, str)}
+
+
+def metadata(context: Any) -> dict[str, str]:
+    """The call's metadata as a dict; {} for a context without any."""
+    read = getattr(context, "invocation_metadata", None)
+    return _as_dict(read() if callable(read) else None)
 
 
 def envoy_node(context: Any) -> str | None:
@@ -50,7 +54,7 @@ class PickerCallers(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         if handler_call_details.method.startswith(f"/{health.SERVICE}/"):
             return await continuation(handler_call_details)
-        given = {str(k).lower(): v for k, v in handler_call_details.invocation_metadata or ()}
+        given = _as_dict(handler_call_details.invocation_metadata)
         if token_matches(given.get(PICKER_TOKEN_METADATA), self.digest):
             return await continuation(handler_call_details)
         return REFUSED
