@@ -377,6 +377,13 @@ CONDITION_DEGRADED = "Degraded"
 REASON_QUOTA_LIMITED = "QuotaLimited"
 
 
+# -- GPUs on nodes: the resource engine pods request and the label that says a node's GPU type ----------------------
+# The local cluster's nodes (the node agent's and the kubelet nodes' device plugin) advertise these; the
+# operator schedules on them.
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TYPE_LABEL = "flotilla.dev/gpu-type"
+
+
 # -- the images (the Dockerfile's targets `engine`, `operator` and `gateway`; tests/test_images.py checks them) ----------
 # One repository per target, named after the distribution it adds to `flotilla`; tagged with the
 # distributions' version. The operator's default engine image and the Helm chart's values read these.

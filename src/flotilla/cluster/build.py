@@ -15,7 +15,14 @@ from flotilla.cluster.gomod import GOMOD_DIR, go_env
 from flotilla.cluster.paths import etcd_bin_dir, helm_bin_dir, kubernetes_bin_dir, prometheus_bin_dir
 from flotilla.cluster.versions import ETCD_VERSION, HELM_VERSION, KUBERNETES_VERSION, prometheus_release
 
-KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+KUBE_BINARIES = (
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kubelet",
+    "kube-proxy",
+)
 PROMETHEUS_BINARIES = ("prometheus", "promtool")
 # Only the service discoveries Flotilla uses (kubernetes_sd; file and static are always in): a fraction
 # of the build of all of them. The web UI's assets are not embedded; the API is all the tests need.
@@ -68,6 +75,8 @@ def targets() -> list[Target]:
         )
         for name in KUBE_BINARIES
     ]
+    # The kubelet nodes' fake-GPU device plugin, a package of the Kubernetes wrapper module (its gRPC API).
+    fakegpu = Target("fakegpu", "./fakegpu", GOMOD_DIR / "kubernetes", kubernetes_bin_dir(), "-s -w")
     etcd = Target("etcd", "go.etcd.io/etcd/server/v3", GOMOD_DIR / "etcd", etcd_bin_dir(), "-s -w")
     prometheus = [
         Target(
@@ -83,7 +92,7 @@ def targets() -> list[Target]:
     helm = Target(
         "helm", "helm.sh/helm/v4/cmd/helm", GOMOD_DIR / "helm", helm_bin_dir(), _helm_ldflags(HELM_VERSION)
     )
-    return [etcd, *kube, *prometheus, helm]
+    return [etcd, *kube, fakegpu, *prometheus, helm]
 
 
 def _helm_ldflags(version: str) -> str:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from flotilla.cluster import pki
+from flotilla.cluster import node_host, node_images, pki
 from flotilla.cluster.kubeclient import tls_context
+from flotilla.cluster.node_layout import NodeLayout, host_ip
 from flotilla.cluster.paths import default_state_dir, etcd_bin_dir, kubernetes_bin_dir
 from flotilla.cluster.processes import ProcessTable, stop_all
 
@@ -40,6 +41,9 @@ class ClusterConfig:
     node_prefix: str = "gpu-node"
     simulate: bool = False
     pod_ip_base: int = 1  # pods get 127.<base>.x.y; clusters sharing a host need different bases
+    # Nodes that are a real kubelet on containerd (flotilla.cluster.node_machine), each with
+    # gpus_per_node fake GPUs from a device plugin; root only. 0: the node agent's nodes only.
+    kubelet_nodes: int = 0
 
     @property
     def server(self) -> str:
@@ -56,6 +60,9 @@ class ClusterConfig:
     @property
     def logs_dir(self) -> Path:
         return self.state_dir / "logs"
+
+    def node_layouts(self) -> list[NodeLayout]:
+        return [NodeLayout(self.state_dir, self.pod_ip_base, i) for i in range(self.kubelet_nodes)]
 
     def ports(self) -> dict[str, int]:
         return {
@@ -129,20 +136,16 @@ def _argv(cfg: ClusterConfig, name: str) -> list[str]:
         return [
             str(_binary("kube-apiserver")),
             f"--etcd-servers=http://127.0.0.1:{cfg.etcd_port}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            *(_node_flags(cfg) if cfg.kubelet_nodes else _loopback_flags()),
             f"--secure-port={cfg.apiserver_port}",
             f"--tls-cert-file={pki_dir / 'apiserver.crt'}",
             f"--tls-private-key-file={pki_dir / 'apiserver.key'}",
             f"--client-ca-file={pki_dir / 'ca.crt'}",
-            "--authorization-mode=RBAC",
             "--allow-privileged=true",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki_dir / 'sa.pub'}",
             f"--service-account-signing-key-file={pki_dir / 'sa.key'}",
-            # Endpoints may not hold loopback addresses, so the `kubernetes` Service gets none.
-            "--endpoint-reconciler-type=none",
             "--profiling=false",
         ]
     kubeconfig = state / f"{name}.kubeconfig"
@@ -187,6 +190,35 @@ def _argv(cfg: ClusterConfig, name: str) -> list[str]:
         ]
         return [*argv, "--simulate"] if cfg.simulate else argv
     raise ValueError(name)
+
+
+def _loopback_flags() -> list[str]:
+    # Endpoints may not hold loopback addresses, so the `kubernetes` Service gets none.
+    return [
+        "--bind-address=127.0.0.1",
+        "--advertise-address=127.0.0.1",
+        "--endpoint-reconciler-type=none",
+        "--authorization-mode=RBAC",
+    ]
+
+
+def _node_flags(cfg: ClusterConfig) -> list[str]:
+    """With kubelet nodes the API server is reached from them (and their pods, through the `kubernetes`
+    Service) at the host's bridge address; it reaches the kubelets for logs and exec, and webhooks at their
+    pods' addresses (the host routes each node's pod range)."""
+    pki_dir = cfg.pki_dir.resolve()
+    return [
+        "--bind-address=0.0.0.0",
+        f"--advertise-address={host_ip(cfg.pod_ip_base)}",
+        "--endpoint-reconciler-type=lease",
+        "--authorization-mode=Node,RBAC",
+        "--enable-admission-plugins=NodeRestriction",
+        f"--kubelet-client-certificate={pki_dir / 'admin.crt'}",
+        f"--kubelet-client-key={pki_dir / 'admin.key'}",
+        f"--kubelet-certificate-authority={pki_dir / 'ca.crt'}",
+        "--kubelet-preferred-address-types=InternalIP",
+        "--enable-aggregator-routing=true",
+    ]
 
 
 def _write_kubeconfigs(cfg: ClusterConfig) -> None:
@@ -243,12 +275,16 @@ def up(cfg: ClusterConfig, log=None, timeout: float = 120.0) -> ClusterConfig:
             raise ClusterError(
                 f"port {taken[0]} for {name} on 127.0.0.1 is already taken; stop what holds it or pick another port"
             )
+    if cfg.kubelet_nodes:
+        node_host.check_host()
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    pki.ensure_pki(cfg.pki_dir)
+    pki.ensure_pki(cfg.pki_dir, (host_ip(cfg.pod_ip_base),) if cfg.kubelet_nodes else ())
     _write_kubeconfigs(cfg)
     cfg.save()
     started = time.monotonic()
     for name in COMPONENTS:
+        if name == "node-agent" and cfg.nodes == 0:
+            continue
         if table.running(name):
             log(f"  {name}: already running")
             continue
@@ -258,7 +294,22 @@ def up(cfg: ClusterConfig, log=None, timeout: float = 120.0) -> ClusterConfig:
         log(f"  {name}: started (log {cfg.logs_dir / (name + '.log')})")
     _wait_ready(cfg, table, timeout, log)
     log(f"cluster API ready in {time.monotonic() - started:.1f}s")
+    if cfg.kubelet_nodes:
+        _start_kubelet_nodes(cfg, table, log)
     return cfg
+
+
+def _start_kubelet_nodes(cfg: ClusterConfig, table: ProcessTable, log) -> None:
+    node_images.ensure_pause_image()
+    node_images.export_image(cfg.state_dir, node_images.PAUSE_IMAGE)
+    node_host.ensure_bridge(cfg.pod_ip_base)
+    if cfg.kubelet_nodes > 1:
+        # Pods on different nodes reach each other through the host's bridge.
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+    server = f"https://{host_ip(cfg.pod_ip_base)}:{cfg.apiserver_port}"
+    for layout in cfg.node_layouts():
+        spec = node_host.write_node_files(layout, cfg.pki_dir, server, cfg.gpus_per_node, cfg.gpu_type)
+        node_host.start_node(table, layout, spec, log)
 
 
 def down(state_dir: Path | None = None, purge: bool = False, log=None) -> list[str]:
@@ -268,7 +319,18 @@ def down(state_dir: Path | None = None, purge: bool = False, log=None) -> list[s
     stopped = []
     # Reverse order. The agent leaves its pods running (a restarted agent adopts them), so they are
     # stopped after it, from the pid table it keeps.
-    for name in (*ADDONS, *reversed(COMPONENTS)):
+    cfg = ClusterConfig.load(state_dir)
+    for name in ADDONS:
+        if table.stop(name, grace_seconds=10):
+            stopped.append(name)
+            log(f"  {name}: stopped")
+    if cfg and cfg.kubelet_nodes:
+        for layout in cfg.node_layouts():
+            if node_host.stop_node(table, layout):
+                stopped.append(layout.name)
+                log(f"  {layout.name}: stopped")
+        node_host.remove_bridge(cfg.pod_ip_base)
+    for name in reversed(COMPONENTS):
         if table.stop(name, grace_seconds=20 if name == "node-agent" else 10):
             stopped.append(name)
             log(f"  {name}: stopped")

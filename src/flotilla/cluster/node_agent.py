@@ -35,9 +35,9 @@ from flotilla.cluster.pod_volumes import PodVolumes
 from flotilla.cluster.processes import ProcessTable
 from flotilla.cluster.service_account import TokenSource, api_endpoint, service_account_name, service_env
 from flotilla.cluster.volume_contents import Sources, VolumeError
+from flotilla.contract import GPU_RESOURCE, GPU_TYPE_LABEL
 
 HOST_IP = "127.0.0.1"
-GPU_TYPE_LABEL = "flotilla.dev/gpu-type"
 LEASE_SECONDS = 40
 LEASE_RENEW_SECONDS = 10
 NODE_STATUS_SECONDS = 60
@@ -117,7 +117,7 @@ class NodeAgent:
             "memory": "512Gi",
             "pods": "250",
             "ephemeral-storage": "1Ti",
-            "nvidia.com/gpu": str(self.gpus),
+            GPU_RESOURCE: str(self.gpus),
         }
         now = timestamps.now()
         conditions = [

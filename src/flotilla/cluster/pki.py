@@ -75,8 +75,55 @@ def _new_key():
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def ensure_pki(pki_dir: Path) -> None:
-    """Creates whatever is missing; existing keys and certificates are kept so restarts reuse them."""
+def _issue(
+    pki_dir: Path, stem: str, subject: x509.Name, usage, sans: list[x509.GeneralName] | None = None
+) -> None:
+    """A key and a certificate signed by the CA in pki_dir, unless stem.crt exists."""
+    if (pki_dir / f"{stem}.crt").exists():
+        return
+    ca_key = serialization.load_pem_private_key((pki_dir / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((pki_dir / "ca.crt").read_bytes())
+    key = _new_key()
+    builder = _builder(subject, ca_cert.subject, key.public_key()).add_extension(
+        x509.ExtendedKeyUsage([usage]), critical=False
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    _write_key(pki_dir / f"{stem}.key", key)
+    _write_cert(pki_dir / f"{stem}.crt", builder.sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+
+
+def node_identities(node_name: str) -> tuple[ClientIdentity, ClientIdentity]:
+    """A kubelet node's clients: the kubelet (the Node authorizer's system:node:NAME in system:nodes) and
+    its kube-proxy (system:kube-proxy, which the default system:node-proxier binding grants)."""
+    return (
+        ClientIdentity(f"kubelet-{node_name}", f"system:node:{node_name}", ("system:nodes",)),
+        ClientIdentity("kube-proxy", "system:kube-proxy"),
+    )
+
+
+def ensure_node_pki(pki_dir: Path, node_name: str, node_ip: str) -> None:
+    """The certificates a kubelet node needs: its clients' and the kubelet's serving certificate (the API
+    server reaches it at node_ip for logs and exec)."""
+    for client in node_identities(node_name):
+        _issue(pki_dir, client.file_stem, _name(client.user, client.groups), ExtendedKeyUsageOID.CLIENT_AUTH)
+    sans: list[x509.GeneralName] = [x509.DNSName(node_name), x509.IPAddress(ipaddress.ip_address(node_ip))]
+    _issue(pki_dir, f"kubelet-serving-{node_name}", _name(node_name), ExtendedKeyUsageOID.SERVER_AUTH, sans)
+
+
+def _cert_ips(path: Path) -> set[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+
+
+def ensure_pki(pki_dir: Path, extra_server_ips: tuple[str, ...] = ()) -> None:
+    """Creates whatever is missing; existing keys and certificates are kept so restarts reuse them.
+    extra_server_ips: more addresses the API server is reached at (a kubelet node's bridge address); its
+    certificate is issued again when it lacks one."""
     pki_dir.mkdir(parents=True, exist_ok=True)
     ca_key_path, ca_cert_path = pki_dir / "ca.key", pki_dir / "ca.crt"
     if not ca_cert_path.exists():
@@ -92,27 +139,17 @@ def ensure_pki(pki_dir: Path) -> None:
         )
         _write_key(ca_key_path, key)
         _write_cert(ca_cert_path, cert)
-    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), None)
-    ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
 
-    def issue(stem: str, subject: x509.Name, usage, sans: list[x509.GeneralName] | None = None) -> None:
-        if (pki_dir / f"{stem}.crt").exists():
-            return
-        key = _new_key()
-        builder = _builder(subject, ca_cert.subject, key.public_key()).add_extension(
-            x509.ExtendedKeyUsage([usage]), critical=False
-        )
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        _write_key(pki_dir / f"{stem}.key", key)
-        _write_cert(pki_dir / f"{stem}.crt", builder.sign(ca_key, hashes.SHA256()))
-
+    server_ips = list(dict.fromkeys((*API_SERVER_IPS, *extra_server_ips)))
+    apiserver_crt = pki_dir / "apiserver.crt"
+    if apiserver_crt.exists() and not set(server_ips) <= _cert_ips(apiserver_crt):
+        apiserver_crt.unlink()
     sans = [x509.DNSName(n) for n in API_SERVER_SANS] + [
-        x509.IPAddress(ipaddress.ip_address(ip)) for ip in API_SERVER_IPS
+        x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips
     ]
-    issue("apiserver", _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    _issue(pki_dir, "apiserver", _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, sans)
     for client in CLIENTS:
-        issue(client.file_stem, _name(client.user, client.groups), ExtendedKeyUsageOID.CLIENT_AUTH)
+        _issue(pki_dir, client.file_stem, _name(client.user, client.groups), ExtendedKeyUsageOID.CLIENT_AUTH)
 
     if not (pki_dir / "sa.key").exists():
         sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)

@@ -23,8 +23,9 @@ IMAGES = {
     "operator": contract.OPERATOR_IMAGE,
     "gateway": contract.GATEWAY_IMAGE,
 }
-# The engine image downloads CUDA torch and triton wheels (gigabytes): built only when asked for.
-DEFAULT_TARGETS = ("operator", "gateway")
+# The engine image downloads CUDA torch and triton wheels (gigabytes): built only when asked for. `envoy`
+# is the gateway pod's sidecar (flotilla.images.envoy).
+DEFAULT_TARGETS = ("operator", "gateway", "envoy")
 
 _FROM = re.compile(r"^FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", re.IGNORECASE)
 _STAGE_REF = re.compile(r"--from=([\w.-]+)|\bfrom=([\w.-]+)")  # COPY --from=, RUN --mount=...,from=

