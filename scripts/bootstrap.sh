@@ -17,13 +17,16 @@ if ! command -v go >/dev/null 2>&1; then
 fi
 
 # Debian's packages the tests run for real: redis-server (the store the gateway replicas share their tenants'
-# rate limits in, flotilla.gateway.tenant_limits) and buildah, runc and debootstrap (`flotilla images build`
-# makes the images from the Dockerfile with them, and the tests start what it builds).
+# rate limits in, flotilla.gateway.tenant_limits), buildah, runc and debootstrap (`flotilla images build`
+# makes the images from the Dockerfile with them, and the tests start what it builds), containerd and
+# containernetworking-plugins (the local cluster's kubelet nodes run those images).
 needed=()
 command -v redis-server >/dev/null 2>&1 || needed+=(redis-server)
 command -v buildah >/dev/null 2>&1 || needed+=(buildah)
 [ -x /usr/sbin/runc ] || needed+=(runc)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || needed+=(debootstrap)
+command -v containerd >/dev/null 2>&1 || needed+=(containerd)
+[ -x /usr/lib/cni/bridge ] || needed+=(containernetworking-plugins)
 if [ "${#needed[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing Debian's ${needed[*]}"

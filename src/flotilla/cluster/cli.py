@@ -45,6 +45,7 @@ def _config(args):
         etcd_peer_port=args.etcd_port + 1,
         simulate=args.simulate,
         pod_ip_base=args.pod_ip_base,
+        kubelet_nodes=args.kubelet_nodes,
     )
     if args.state_dir:
         cfg.state_dir = args.state_dir
@@ -55,7 +56,13 @@ def cmd_up(args) -> int:
     from flotilla.cluster.build import BuildError, build
     from flotilla.cluster.control_plane import ClusterError, up
 
-    for name, value, low in (("--nodes", args.nodes, 1), ("--gpus", args.gpus, 0)):
+    low_nodes = 0 if args.kubelet_nodes else 1
+    checks = (
+        ("--nodes", args.nodes, low_nodes),
+        ("--gpus", args.gpus, 0),
+        ("--kubelet-nodes", args.kubelet_nodes, 0),
+    )
+    for name, value, low in checks:
         if value < low:
             return _err(f"{name} must be at least {low}, got {value}")
     try:
@@ -178,6 +185,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--nodes", type=int, default=2, help="fake GPU nodes to register (default 2)")
     up.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu per node (default 8)")
     up.add_argument("--gpu-type", default="h100", help="value of the flotilla.dev/gpu-type label")
+    up.add_argument(
+        "--kubelet-nodes",
+        type=int,
+        default=0,
+        help="real nodes: a kubelet on containerd each, with --gpus fake GPUs from a device plugin "
+        "(root; Debian's containerd and containernetworking-plugins). Default 0",
+    )
     up.add_argument("--apiserver-port", type=int, default=6443)
     up.add_argument(
         "--etcd-port", type=int, default=2379, help="etcd client port; the peer port is the next one"

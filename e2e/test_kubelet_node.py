@@ -1,0 +1,206 @@
+"""A cluster whose node is a real kubelet on containerd and runc (flotilla.cluster.node_machine), and the
+chart installed on it with its defaults (webhook on), its pods running from the images `flotilla images
+build` makes: what the node agent only pretended, attacked here for real.
+
+- the node is a kubelet of the pinned release on containerd, with 8 fake GPUs its device plugin advertised
+  over the kubelet's device-plugin gRPC API;
+- the operator and gateway pods (Envoy beside the gateway) run from the built images, pulled from nowhere;
+- the webhook in the operator's pod refuses an over-quota InferenceService (the API server reaches the pod
+  through its Service);
+- the kubelet enforces what the pods declare: the image's non-root uid, a read-only root, the memory limit
+  as a cgroup;
+- GPUs are counted and assigned by the kubelet: a pod gets NVIDIA_VISIBLE_DEVICES naming its devices, and
+  a pod asking for more than are left stays Pending.
+
+Engine pods are not run here: the engine image carries CUDA torch (gigabytes); the other e2e tests run
+them on the node agent's nodes (docs/local-cluster.md)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flotilla import contract, manifest_yaml
+from flotilla.cluster import node_images
+from flotilla.cluster.control_plane import ClusterConfig, down, up
+from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
+from flotilla.cluster.paths import default_state_dir
+from flotilla.images.envoy import envoy_image
+from flotilla.operator.cmd.local import inference_service
+from flotilla.operator.cmd.local_chart import CHART_DIR, NAMESPACE, install, operator_pods
+
+pytestmark = [pytest.mark.cluster, pytest.mark.images]
+
+ROOT = Path(__file__).resolve().parents[1]
+POD_IP_BASE = 9  # the suite's other cluster uses 7, the demo's 1
+RUN = uuid.uuid4().hex[:5]
+TENANT = NS = f"kn-{RUN}"
+GPU_NS = f"kn-gpus-{RUN}"  # no Tenant's: its ResourceQuota (the operator's backstop) would cap the GPUs
+IMAGES = (contract.OPERATOR_IMAGE, contract.GATEWAY_IMAGE)
+
+
+@pytest.fixture(scope="module")
+def node_cluster(built_images: str):
+    """Images built, written as archives the node imports, then a cluster with one kubelet node and no
+    node agent, purged afterwards."""
+    del built_images  # built: the root conftest's fixture, shared with tests/images
+    state_dir = default_state_dir().parent / "test-kubelet-node"
+    down(state_dir, purge=True)
+    for image in (*IMAGES, envoy_image()):
+        node_images.export_image(state_dir, image)
+    config = ClusterConfig(
+        state_dir=state_dir,
+        apiserver_port=free_port(),
+        etcd_port=free_port(),
+        pod_ip_base=POD_IP_BASE,
+        nodes=0,
+        kubelet_nodes=1,
+    )
+    config.etcd_peer_port = free_port()
+    try:
+        handle = ClusterHandle(up(config), started_here=True)
+        wait_for(
+            lambda: _node(handle) is not None and _ready(_node(handle)), 180, "the kubelet's node to be Ready"
+        )
+        yield handle
+    finally:
+        down(state_dir, purge=True)
+
+
+def _node(cluster: ClusterHandle) -> dict | None:
+    items = json.loads(cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    return items[0] if items else None
+
+
+def _ready(obj: dict | None) -> bool:
+    conditions = (obj or {}).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+@pytest.fixture(scope="module")
+def chart(node_cluster: ClusterHandle):
+    seconds = install(node_cluster, {}, chart=ROOT / CHART_DIR, timeout="8m")
+    print(f"helm install (defaults) -> every pod Ready on the kubelet node: {seconds:.1f}s")
+    return node_cluster
+
+
+def _pods(cluster: ClusterHandle, namespace: str) -> list[dict]:
+    return json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+
+
+def test_the_node_is_a_kubelet_on_containerd_with_gpus_from_its_device_plugin(node_cluster: ClusterHandle):
+    node = _node(node_cluster)
+    assert node is not None
+    info = node["status"]["nodeInfo"]
+    assert info["kubeletVersion"] == "v1.36.3"
+    assert info["containerRuntimeVersion"].startswith("containerd://")
+    # Extended resources appear only once a device plugin registered them with the kubelet.
+    wait_for(
+        lambda: (
+            (_node(node_cluster) or {}).get("status", {}).get("allocatable", {}).get(contract.GPU_RESOURCE)
+            == "8"
+        ),
+        60,
+        "the device plugin's 8 GPUs in the node's allocatable",
+    )
+    assert node["metadata"]["labels"][contract.GPU_TYPE_LABEL] == "h100"
+
+
+def test_the_charts_pods_run_from_the_built_images(chart: ClusterHandle):
+    built = {image: node_images.image_id(image) for image in (*IMAGES, envoy_image())}
+    seen: dict[str, str] = {}
+    for pod in _pods(chart, NAMESPACE):
+        statuses = pod["status"].get("containerStatuses", []) + pod["status"].get("initContainerStatuses", [])
+        for status in statuses:
+            seen[status["image"]] = status["imageID"]
+    for image, image_id in built.items():
+        assert image in seen, f"no container runs {image}: {sorted(seen)}"
+        assert seen[image].endswith(image_id), (image, seen[image], image_id)
+
+
+def test_the_webhook_in_its_pod_refuses_an_inference_service_over_quota(chart: ClusterHandle):
+    tenant = {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "Tenant",
+        "metadata": {"name": TENANT},
+        "spec": {"namespaces": [NS], "gpuQuota": {"h100": 1}},
+    }
+    chart.kubectl("create", "namespace", NS)
+    chart.kubectl("apply", "-f", "-", input=manifest_yaml.dump(tenant))
+    service = inference_service("too-big", "hf://org/model", namespace=NS, replicas=5)
+
+    def refused() -> str | None:
+        done = chart.kubectl(
+            "apply", "--dry-run=server", "-f", "-", input=manifest_yaml.dump(service), check=False
+        )
+        return done.stderr if done.returncode != 0 and "denied the request" in done.stderr else None
+
+    message = wait_for(refused, 60, "the webhook to refuse the over-quota InferenceService")
+    assert "quota" in message
+
+
+def test_the_kubelet_enforces_the_operators_user_read_only_root_and_memory_limit(chart: ClusterHandle):
+    (pod,) = operator_pods(chart)
+    script = (
+        "import os\n"
+        "print('uid', os.getuid())\n"
+        "try:\n    open('/written-by-a-test', 'w')\nexcept OSError as exc:\n    print('write', exc.errno)\n"
+        "print('limit', open('/sys/fs/cgroup/memory/memory.limit_in_bytes').read().strip())\n"
+    )
+    out = chart.kubectl("exec", "-n", NAMESPACE, pod["metadata"]["name"], "--", "python", "-c", script).stdout
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert lines["uid"] == str(contract.IMAGE_UID)
+    assert lines["write"] == "30"  # EROFS: the root filesystem is read-only
+    limit = pod["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    assert limit == "1Gi" and int(lines["limit"]) == 1024**3
+
+
+def _gpu_pod(name: str, gpus: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": GPU_NS},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": contract.OPERATOR_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", "echo visible=$NVIDIA_VISIBLE_DEVICES; sleep 600"],
+                    "resources": {"limits": {contract.GPU_RESOURCE: str(gpus)}},
+                }
+            ],
+        },
+    }
+
+
+def test_the_kubelet_assigns_gpus_and_refuses_more_than_are_left(chart: ClusterHandle):
+    chart.kubectl("create", "namespace", GPU_NS)
+    chart.kubectl("apply", "-f", "-", input=manifest_yaml.dump(_gpu_pod("two-gpus", 2)))
+
+    def visible() -> list[str] | None:
+        done = chart.kubectl("logs", "-n", GPU_NS, "two-gpus", check=False)
+        for line in done.stdout.splitlines():
+            if line.startswith("visible="):
+                return line.removeprefix("visible=").split(",")
+        return None
+
+    devices = wait_for(visible, 120, "the GPU pod to print its devices")
+    assert len(devices) == 2 and len(set(devices)) == 2
+    assert all(d.startswith("GPU-node-0-") for d in devices)
+
+    chart.kubectl("apply", "-f", "-", input=manifest_yaml.dump(_gpu_pod("seven-gpus", 7)))
+
+    def unschedulable() -> str | None:
+        pod = json.loads(chart.kubectl("get", "pod", "-n", GPU_NS, "seven-gpus", "-o", "json").stdout)
+        for condition in pod["status"].get("conditions", []):
+            if condition["type"] == "PodScheduled" and condition.get("reason") == "Unschedulable":
+                return condition.get("message", "")
+        return None
+
+    message = wait_for(unschedulable, 60, "the 7-GPU pod to be refused by the scheduler")
+    assert f"Insufficient {contract.GPU_RESOURCE}" in message
