@@ -10,7 +10,9 @@ build` makes: what the node agent only pretended, attacked here for real.
 - the kubelet enforces what the pods declare: the image's non-root uid, a read-only root, the memory limit
   as a cgroup;
 - GPUs are counted and assigned by the kubelet: a pod gets NVIDIA_VISIBLE_DEVICES naming its devices, and
-  a pod asking for more than are left stays Pending.
+  a pod asking for more than are left stays Pending;
+- three gateway pods of the chart (`gateway.replicas: 3`, `gateway.rateLimitRedis`: Debian's redis-server on
+  the host's bridge address) admit what one would of a tenant's requests (issue 51).
 
 Engine pods are not run here: the engine image carries CUDA torch (gigabytes); the other e2e tests run
 them on the node agent's nodes (docs/local-cluster.md)."""
@@ -18,16 +20,22 @@ them on the node agent's nodes (docs/local-cluster.md)."""
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import subprocess
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from flotilla import contract, manifest_yaml
 from flotilla.cluster import node_images
 from flotilla.cluster.control_plane import ClusterConfig, down, up
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
+from flotilla.cluster.node_layout import host_ip
 from flotilla.cluster.paths import default_state_dir
+from flotilla.gateway.cmd import key_secret
 from flotilla.images.envoy import envoy_image
 from flotilla.operator.cmd.local import inference_service
 from flotilla.operator.cmd.local_chart import CHART_DIR, NAMESPACE, install, operator_pods
@@ -204,3 +212,85 @@ def test_the_kubelet_assigns_gpus_and_refuses_more_than_are_left(chart: ClusterH
 
     message = wait_for(unschedulable, 60, "the 7-GPU pod to be refused by the scheduler")
     assert f"Insufficient {contract.GPU_RESOURCE}" in message
+
+
+@pytest.fixture
+def redis_on_the_bridge():
+    """Debian's redis-server on the host's bridge address, where the node's pods reach it."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is missing: `make install` installs Debian's redis-server"
+    host, port = host_ip(POD_IP_BASE), free_port()
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--protected-mode",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"redis://{host}:{port}/0"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_three_gateway_pods_of_the_chart_admit_what_one_would(chart: ClusterHandle, redis_on_the_bridge: str):
+    """A tenant with a one-request burst (one more in 1,000 s): over the chart's three gateway pods sharing
+    Redis, exactly one request is admitted (held, then 503: no engine runs here) and every other is a 429,
+    whichever pod it reaches; each replica alone would have admitted one."""
+    values = {"gateway": {"replicas": 3, "rateLimitRedis": redis_on_the_bridge, "holdTimeoutSeconds": 2}}
+    install(chart, values, chart=ROOT / CHART_DIR, timeout="8m")
+    chart.kubectl("create", "namespace", NS, check=False)
+    tenant = {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "Tenant",
+        "metadata": {"name": TENANT},
+        "spec": {"namespaces": [NS], "gpuQuota": {"h100": 1}, "rateLimits": {"requestsPerSecond": 0.001}},
+    }
+    chart.kubectl("apply", "-f", "-", input=manifest_yaml.dump(tenant))
+    chart.kubectl(
+        "apply", "-f", "-", input=manifest_yaml.dump(inference_service("limited", "hf://org/m", NS))
+    )
+    key = f"fl-{RUN}-limits"
+    chart.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=manifest_yaml.dump(key_secret(TENANT, "e2e", key, NAMESPACE, f"{TENANT}-keys")),
+    )
+    pods = [
+        p
+        for p in _pods(chart, NAMESPACE)
+        if p["metadata"]["labels"].get("app.kubernetes.io/name") == "flotilla-gateway"
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+    assert len(pods) == 3, [p["metadata"]["name"] for p in pods]
+    envoy_port = 8081  # the chart's gateway.envoy.port
+    body = {"model": "tiny", "prompt": "limited", "max_tokens": 1}
+    codes: list[int] = []
+    for pod in pods:
+        url = f"http://{pod['status']['podIP']}:{envoy_port}/v1/completions"
+
+        def post(url: str = url) -> int:
+            return httpx.post(
+                url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+            ).status_code
+
+        # 401 until this pod's watch has the key, 404 until it has the service: neither takes from a bucket.
+        codes.append(
+            wait_for(
+                lambda post=post: (c := post()) not in (401, 404) and c,
+                120,
+                "the pod to know the key and service",
+            )
+        )
+        codes += [post() for _ in range(3)]
+    assert len(codes) == 12
+    assert sum(code != 429 for code in codes) == 1, codes
