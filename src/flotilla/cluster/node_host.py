@@ -98,7 +98,7 @@ def write_node_files(layout: NodeLayout, pki_dir: Path, server: str, gpus: int, 
         "mounts": {target: str(layout.dir / name) for name, target in NODE_MOUNTS.items()},
         "logs_dir": str(layout.logs_dir),
         "containerd": ["containerd", "--config", str(config / "containerd.toml")],
-        "images": [str(p) for p in sorted(images_dir(layout.cluster_state).glob("*.tar"))],
+        "images": [str(p) for p in sorted(images_dir(layout.cluster_state).glob(f"*{ARCHIVE_SUFFIX}"))],
         "ctr": ctr,
         "daemons": {
             "kubelet": [
@@ -122,6 +122,9 @@ def write_node_files(layout: NodeLayout, pki_dir: Path, server: str, gpus: int, 
     path = layout.dir / "node.json"
     path.write_text(json.dumps(spec, indent=2))
     return path
+
+
+ARCHIVE_SUFFIX = ".image"  # a docker archive of one image (`buildah push docker-archive:`)
 
 
 def images_dir(cluster_state: Path) -> Path:

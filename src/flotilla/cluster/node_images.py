@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from flotilla.cluster.gomod import go_env
-from flotilla.cluster.node_host import images_dir
+from flotilla.cluster.node_host import ARCHIVE_SUFFIX, images_dir
 from flotilla.cluster.node_layout import PAUSE_IMAGE
 from flotilla.cluster.paths import cache_root
 from flotilla.cluster.versions import KUBERNETES_VERSION
@@ -28,7 +28,7 @@ def _run(argv: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def archive_path(cluster_state: Path, image: str) -> Path:
-    return images_dir(cluster_state) / (re.sub(r"[^A-Za-z0-9_.-]+", "_", image) + ".tar")
+    return images_dir(cluster_state) / (re.sub(r"[^A-Za-z0-9_.-]+", "_", image) + ARCHIVE_SUFFIX)
 
 
 def pause_binary() -> Path:
