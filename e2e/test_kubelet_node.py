@@ -12,7 +12,10 @@ build` makes: what the node agent only pretended, attacked here for real.
 - GPUs are counted and assigned by the kubelet: a pod gets NVIDIA_VISIBLE_DEVICES naming its devices, and
   a pod asking for more than are left stays Pending;
 - three gateway pods of the chart (`gateway.replicas: 3`, `gateway.rateLimitRedis`: Debian's redis-server on
-  the host's bridge address) admit what one would of a tenant's requests (issue 51).
+  the host's bridge address) admit what one would of a tenant's requests (issue 51);
+- real faults: a container SIGKILLed is restarted by the kubelet (exit 137, a new container, the webhook
+  answers again); the kubelet and containerd SIGKILLed come back, and every container they left running is
+  adopted, none restarted.
 
 Engine pods are not run here: the engine image carries CUDA torch (gigabytes); the other e2e tests run
 them on the node agent's nodes (docs/local-cluster.md)."""
@@ -20,21 +23,24 @@ them on the node agent's nodes (docs/local-cluster.md)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
-from flotilla import contract, manifest_yaml
-from flotilla.cluster import node_images
+from flotilla import contract, manifest_yaml, timestamps
+from flotilla.cluster import node_host, node_images
 from flotilla.cluster.control_plane import ClusterConfig, down, up
 from flotilla.cluster.handle import ClusterHandle, free_port, wait_for
 from flotilla.cluster.node_layout import host_ip
 from flotilla.cluster.paths import default_state_dir
+from flotilla.cluster.processes import ProcessTable
 from flotilla.gateway.cmd import key_secret
 from flotilla.images.envoy import envoy_image
 from flotilla.operator.cmd.local import inference_service
@@ -212,6 +218,80 @@ def test_the_kubelet_assigns_gpus_and_refuses_more_than_are_left(chart: ClusterH
 
     message = wait_for(unschedulable, 60, "the 7-GPU pod to be refused by the scheduler")
     assert f"Insufficient {contract.GPU_RESOURCE}" in message
+
+
+def _layout(cluster: ClusterHandle):
+    return cluster.config.node_layouts()[0]
+
+
+def _table(cluster: ClusterHandle) -> ProcessTable:
+    return ProcessTable(cluster.config.state_dir / "pids")
+
+
+def _containers(cluster: ClusterHandle) -> dict[str, tuple[str, int]]:
+    """container name in its pod -> (container id, restart count), for the chart's pods."""
+    found = {}
+    for pod in _pods(cluster, NAMESPACE):
+        for status in pod["status"].get("containerStatuses", []) + pod["status"].get(
+            "initContainerStatuses", []
+        ):
+            if status.get("containerID") and status.get("started", True):
+                found[f"{pod['metadata']['name']}/{status['name']}"] = (
+                    status["containerID"],
+                    status["restartCount"],
+                )
+    return found
+
+
+def test_a_killed_container_is_restarted_by_the_kubelet_and_the_webhook_answers_again(chart: ClusterHandle):
+    (pod,) = operator_pods(chart)
+    (status,) = pod["status"]["containerStatuses"]
+    container_id = status["containerID"].removeprefix("containerd://")
+    node_host.kill_container(_table(chart), _layout(chart), container_id)
+
+    def restarted() -> dict | None:
+        (now,) = operator_pods(chart)
+        (current,) = now["status"]["containerStatuses"]
+        return current if current["restartCount"] > status["restartCount"] and current.get("ready") else None
+
+    current = wait_for(restarted, 180, "the kubelet to restart the killed operator container")
+    assert current["containerID"] != status["containerID"]
+    assert "lastState" in current and current["lastState"].get("terminated", {}).get("exitCode") == 137
+    service = inference_service("too-big-again", "hf://org/model", namespace=NS, replicas=5)
+
+    def refused() -> bool:
+        done = chart.kubectl(
+            "apply", "--dry-run=server", "-f", "-", input=manifest_yaml.dump(service), check=False
+        )
+        return done.returncode != 0 and "quota" in done.stderr
+
+    wait_for(refused, 120, "the restarted operator's webhook to refuse the over-quota InferenceService")
+
+
+def test_the_kubelet_and_containerd_killed_come_back_and_leave_every_container_running(chart: ClusterHandle):
+    layout, before = _layout(chart), _containers(chart)
+    assert before
+    for daemon in ("containerd", "kubelet"):
+        pid = node_host.daemon_pid(layout, daemon)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for(
+            lambda daemon=daemon, pid=pid: node_host.daemon_pid(layout, daemon) not in (None, pid),
+            60,
+            f"the node to start {daemon} again",
+        )
+    killed_at = time.time()
+
+    def heartbeat_after_restart() -> bool:
+        lease = json.loads(
+            chart.kubectl("get", "lease", "-n", "kube-node-lease", layout.name, "-o", "json").stdout
+        )
+        renewed = lease["spec"]["renewTime"]
+        return _ready(_node(chart)) and timestamps.parse_time(renewed).timestamp() > killed_at
+
+    wait_for(heartbeat_after_restart, 120, "the restarted kubelet to renew the node's lease")
+    # The restarted kubelet adopts what containerd's shims kept running: nothing restarted, nothing new.
+    assert _containers(chart) == before
 
 
 @pytest.fixture

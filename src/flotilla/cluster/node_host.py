@@ -189,6 +189,20 @@ def node_exec(table: ProcessTable, layout: NodeLayout, *argv: str, timeout: floa
     return done.stdout
 
 
+def daemon_pid(layout: NodeLayout, name: str) -> int | None:
+    """The pid of a node's daemon (containerd, kubelet, kube-proxy, fakegpu) as its machine last started it."""
+    try:
+        return json.loads((layout.dir / "daemons.json").read_text()).get(name)
+    except (OSError, ValueError):
+        return None
+
+
+def kill_container(table: ProcessTable, layout: NodeLayout, container_id: str) -> None:
+    """SIGKILL a container's process through containerd, as the kernel's OOM killer or a crash would end it."""
+    ctr = ["ctr", "--address", layout.containerd_socket, "--namespace", "k8s.io"]
+    node_exec(table, layout, *ctr, "tasks", "kill", "--signal", "SIGKILL", container_id)
+
+
 def load_image(table: ProcessTable, layout: NodeLayout, archive: Path) -> None:
     """Imports an image archive into a running node's containerd, where the kubelet finds it."""
     ctr = ["ctr", "--address", layout.containerd_socket, "--namespace", "k8s.io"]

@@ -98,6 +98,7 @@ class Daemon:
     name: str
     argv: list[str]
     log_path: Path
+    pids_file: Path  # every daemon's current pid, for the host (node_host.daemon_pid)
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -109,6 +110,11 @@ class Daemon:
                 self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         log(f"{self.name} started (pid {self.proc.pid})")
+        pids = json.loads(self.pids_file.read_text()) if self.pids_file.exists() else {}
+        pids[self.name] = self.proc.pid
+        partial = self.pids_file.with_suffix(".partial")
+        partial.write_text(json.dumps(pids))
+        partial.replace(self.pids_file)  # the host never reads half a file
 
     def tend(self, now: float) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -203,14 +209,18 @@ def main(argv: list[str]) -> int:
     mount_folders(spec.mounts)
     bring_up_network(spec)
     make_cgroup_root(spec.cgroup_root)
-    containerd = Daemon("containerd", spec.containerd, spec.logs_dir / "containerd.log")
+    pids_file = spec.logs_dir.parent / "daemons.json"
+    pids_file.unlink(missing_ok=True)
+    containerd = Daemon("containerd", spec.containerd, spec.logs_dir / "containerd.log", pids_file)
     containerd.start()
     wait_for_socket(Path("/run/containerd/containerd.sock"), containerd)
     for archive in spec.images:
         started = time.monotonic()
         run(*spec.ctr, "images", "import", archive)
         log(f"imported {archive} in {time.monotonic() - started:.1f}s")
-    daemons = [containerd] + [Daemon(n, a, spec.logs_dir / f"{n}.log") for n, a in spec.daemons.items()]
+    daemons = [containerd] + [
+        Daemon(n, a, spec.logs_dir / f"{n}.log", pids_file) for n, a in spec.daemons.items()
+    ]
     for daemon in daemons[1:]:
         daemon.start()
     log("node up")
