@@ -17,8 +17,10 @@ build` makes: what the node agent only pretended, attacked here for real.
   answers again); the kubelet and containerd SIGKILLed come back, and every container they left running is
   adopted, none restarted.
 
-Engine pods are not run here: the engine image carries CUDA torch (gigabytes); the other e2e tests run
-them on the node agent's nodes (docs/local-cluster.md)."""
+- an engine pod from the engine image (CUDA torch, about 6 GB, on the CPU here) serves a completion through
+  the chart's Envoy and picker with the tenant's key.
+
+The other e2e tests still run engine pods on the node agent's nodes (docs/local-cluster.md)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ from flotilla.cluster.paths import default_state_dir
 from flotilla.cluster.processes import ProcessTable
 from flotilla.gateway.cmd import key_secret
 from flotilla.images.envoy import envoy_image
-from flotilla.operator.cmd.local import inference_service
+from flotilla.operator.api.conditions import is_ready
+from flotilla.operator.cmd.local import inference_service, tiny_model
 from flotilla.operator.cmd.local_chart import CHART_DIR, NAMESPACE, install, operator_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.images]
@@ -54,17 +57,16 @@ RUN = uuid.uuid4().hex[:5]
 TENANT = NS = f"kn-{RUN}"
 GPU_NS = f"kn-gpus-{RUN}"  # no Tenant's: its ResourceQuota (the operator's backstop) would cap the GPUs
 IMAGES = (contract.OPERATOR_IMAGE, contract.GATEWAY_IMAGE)
+MODEL_DIR = Path(f"/tmp/flotilla-kubelet-node-model-{RUN}")
 
 
 @pytest.fixture(scope="module")
-def node_cluster(built_images: str):
-    """Images built, written as archives the node imports, then a cluster with one kubelet node and no
-    node agent, purged afterwards."""
-    del built_images  # built: the root conftest's fixture, shared with tests/images
+def node_cluster(built_images: str, built_engine_image: str):
+    """A cluster with one kubelet node and no node agent, the images built (the root conftest's fixtures,
+    shared with tests/images) and loaded into the node's containerd; purged afterwards."""
+    del built_images, built_engine_image
     state_dir = default_state_dir().parent / "test-kubelet-node"
     down(state_dir, purge=True)
-    for image in (*IMAGES, envoy_image()):
-        node_images.export_image(state_dir, image)
     config = ClusterConfig(
         state_dir=state_dir,
         apiserver_port=free_port(),
@@ -76,12 +78,17 @@ def node_cluster(built_images: str):
     config.etcd_peer_port = free_port()
     try:
         handle = ClusterHandle(up(config), started_here=True)
+        (layout,) = config.node_layouts()
+        for image in (*IMAGES, envoy_image(), contract.ENGINE_IMAGE):
+            seconds = node_images.load_image(ProcessTable(state_dir / "pids"), layout, image)
+            print(f"loaded {image} into {layout.name} in {seconds:.0f}s", flush=True)
         wait_for(
             lambda: _node(handle) is not None and _ready(_node(handle)), 180, "the kubelet's node to be Ready"
         )
         yield handle
     finally:
         down(state_dir, purge=True)
+        shutil.rmtree(MODEL_DIR, ignore_errors=True)
 
 
 def _node(cluster: ClusterHandle) -> dict | None:
@@ -96,7 +103,9 @@ def _ready(obj: dict | None) -> bool:
 
 @pytest.fixture(scope="module")
 def chart(node_cluster: ClusterHandle):
-    seconds = install(node_cluster, {}, chart=ROOT / CHART_DIR, timeout="8m")
+    """The chart with its defaults, but for the one folder tenants may serve models from."""
+    values = {"operator": {"hostPathRoots": [str(MODEL_DIR)]}}
+    seconds = install(node_cluster, values, chart=ROOT / CHART_DIR, timeout="8m")
     print(f"helm install (defaults) -> every pod Ready on the kubelet node: {seconds:.1f}s")
     return node_cluster
 
@@ -220,6 +229,45 @@ def test_the_kubelet_assigns_gpus_and_refuses_more_than_are_left(chart: ClusterH
     assert f"Insufficient {contract.GPU_RESOURCE}" in message
 
 
+def test_an_engine_pod_from_the_engine_image_serves_through_the_charts_gateway(chart: ClusterHandle):
+    """The whole path on real parts: the tenant's key at the chart's Envoy (its stand-in image), the picker
+    in the gateway pod, an engine pod the operator made from the engine image, on the kubelet, with a GPU
+    the device plugin gave it, reading a model folder the kubelet mounted from the node."""
+    tiny_model(MODEL_DIR)
+    chart.kubectl("create", "namespace", NS, check=False)
+    service = inference_service("tiny", MODEL_DIR, namespace=NS)
+    chart.apply_once_admitted(manifest_yaml.dump(service), 60, "the webhook to admit the InferenceService")
+    key = f"fl-{RUN}-serve"
+    secret = key_secret(TENANT, "serve", key, NAMESPACE, f"{TENANT}-serve-keys")
+    chart.kubectl("apply", "-f", "-", input=manifest_yaml.dump(secret))
+
+    def ready() -> dict | None:
+        found = json.loads(chart.kubectl("get", "inferenceservice", "tiny", "-n", NS, "-o", "json").stdout)
+        return found if is_ready(found) else None
+
+    wait_for(ready, 300, "the engine pod to load the model and the InferenceService to be Ready")
+    (engine,) = [p for p in _pods(chart, NS) if not p["metadata"].get("deletionTimestamp")]
+    (status,) = engine["status"]["containerStatuses"]
+    assert status["image"] == contract.ENGINE_IMAGE
+    assert status["imageID"].endswith(node_images.image_id(contract.ENGINE_IMAGE))
+    gateway = next(
+        p
+        for p in _pods(chart, NAMESPACE)
+        if p["metadata"]["labels"].get("app.kubernetes.io/name") == "flotilla-gateway"
+    )
+    url = f"http://{gateway['status']['podIP']}:8081/v1/completions"
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+
+    def answered() -> httpx.Response | None:
+        rsp = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        return None if rsp.status_code in (401, 404) else rsp  # until the gateway's watches have both
+
+    rsp = wait_for(answered, 120, "the gateway to serve the tenant's completion")
+    assert rsp.status_code == 200, rsp.text
+    assert rsp.json()["usage"]["completion_tokens"] == 4
+    assert rsp.headers.get("server") == "envoy"
+
+
 def _layout(cluster: ClusterHandle):
     return cluster.config.node_layouts()[0]
 
@@ -332,11 +380,14 @@ def test_three_gateway_pods_of_the_chart_admit_what_one_would(chart: ClusterHand
         "apiVersion": "flotilla.dev/v1alpha1",
         "kind": "Tenant",
         "metadata": {"name": TENANT},
-        "spec": {"namespaces": [NS], "gpuQuota": {"h100": 1}, "rateLimits": {"requestsPerSecond": 0.001}},
+        "spec": {"namespaces": [NS], "gpuQuota": {"h100": 2}, "rateLimits": {"requestsPerSecond": 0.001}},
     }
     chart.kubectl("apply", "-f", "-", input=manifest_yaml.dump(tenant))
     chart.kubectl(
-        "apply", "-f", "-", input=manifest_yaml.dump(inference_service("limited", "hf://org/m", NS))
+        "apply",
+        "-f",
+        "-",
+        input=manifest_yaml.dump(inference_service("limited", "hf://org/m", NS, served_name="limited")),
     )
     key = f"fl-{RUN}-limits"
     chart.kubectl(
@@ -353,7 +404,7 @@ def test_three_gateway_pods_of_the_chart_admit_what_one_would(chart: ClusterHand
     ]
     assert len(pods) == 3, [p["metadata"]["name"] for p in pods]
     envoy_port = 8081  # the chart's gateway.envoy.port
-    body = {"model": "tiny", "prompt": "limited", "max_tokens": 1}
+    body = {"model": "limited", "prompt": "limited", "max_tokens": 1}
     codes: list[int] = []
     for pod in pods:
         url = f"http://{pod['status']['podIP']}:{envoy_port}/v1/completions"

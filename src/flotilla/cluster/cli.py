@@ -55,6 +55,7 @@ def _config(args):
 def cmd_up(args) -> int:
     from flotilla.cluster.build import BuildError, build
     from flotilla.cluster.control_plane import ClusterError, up
+    from flotilla.cluster.node_host import NodeError
 
     low_nodes = 0 if args.kubelet_nodes else 1
     checks = (
@@ -70,8 +71,9 @@ def cmd_up(args) -> int:
             build()
         cfg = up(_config(args))
         if args.wait_nodes:
-            _wait_nodes(cfg, args.nodes, timeout=60)
-    except (ClusterError, BuildError) as exc:
+            # A kubelet node imports its images and registers in a minute or two on two cores.
+            _wait_nodes(cfg, cfg.nodes + cfg.kubelet_nodes, timeout=60 + 120 * cfg.kubelet_nodes)
+    except (ClusterError, BuildError, NodeError) as exc:
         return _err(str(exc))
     _print_status(cfg.state_dir)
     return 0
@@ -102,7 +104,10 @@ def _wait_nodes(cfg, count: int, timeout: float) -> None:
         if result.returncode == 0 and result.stdout.split().count("True") >= count:
             return
         time.sleep(0.5)
-    raise ClusterError(f"nodes not Ready after {timeout:.0f}s; see {cfg.logs_dir / 'node-agent.log'}")
+    raise ClusterError(
+        f"nodes not Ready after {timeout:.0f}s; see {cfg.logs_dir / 'node-agent.log'} and the kubelet nodes' "
+        f"logs in {cfg.state_dir / 'nodes'}"
+    )
 
 
 def cmd_down(args) -> int:
@@ -165,6 +170,29 @@ def _print_status(state_dir: Path) -> int:
     return status_exit_code(info["components"])
 
 
+def cmd_load_image(args) -> int:
+    from flotilla.cluster.control_plane import ClusterConfig
+    from flotilla.cluster.node_host import NodeError
+    from flotilla.cluster.node_images import ImageError, load_image
+    from flotilla.cluster.paths import default_state_dir
+    from flotilla.cluster.processes import ProcessTable
+
+    state_dir = args.state_dir or default_state_dir()
+    cfg = ClusterConfig.load(state_dir)
+    if cfg is None or not cfg.kubelet_nodes:
+        return _err(f"no cluster with kubelet nodes in {state_dir} (flotilla cluster up --kubelet-nodes N)")
+    table = ProcessTable(state_dir / "pids")
+    try:
+        for image in args.image:
+            for layout in cfg.node_layouts():
+                print(f"loading {image} into {layout.name} ...", flush=True)
+                seconds = load_image(table, layout, image)
+                print(f"  {image} in {layout.name}'s containerd ({seconds:.0f}s)", flush=True)
+    except (ImageError, NodeError) as exc:
+        return _err(str(exc))
+    return 0
+
+
 def cmd_status(args) -> int:
     from flotilla.cluster.paths import default_state_dir
 
@@ -215,6 +243,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     down.add_argument("--state-dir", type=Path)
     down.add_argument("--purge", action="store_true", help="also delete the cluster's state folder")
     down.set_defaults(func=cmd_down)
+
+    load = commands.add_parser(
+        "load-image",
+        help="stream images from buildah's storage into every kubelet node's containerd (no registry)",
+    )
+    load.add_argument("image", nargs="+", help="e.g. ghcr.io/flotilla-dev/flotilla-engine:0.1.0")
+    load.add_argument("--state-dir", type=Path)
+    load.set_defaults(func=cmd_load_image)
 
     status = commands.add_parser(
         "status",

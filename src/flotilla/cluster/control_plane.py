@@ -350,6 +350,12 @@ def status(state_dir: Path | None = None) -> dict:
     for name in COMPONENTS:
         record = table.running(name)
         components[name] = {"running": record is not None, "pid": record.pid if record else None}
+    for layout in cfg.node_layouts() if cfg else []:
+        record = table.running(f"node-{layout.index}")
+        components[f"{layout.name} (kubelet)"] = {
+            "running": record is not None,
+            "pid": record.pid if record else None,
+        }
     return {
         "state_dir": str(state_dir),
         "config": cfg,

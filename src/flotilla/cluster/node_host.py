@@ -89,7 +89,6 @@ def write_node_files(layout: NodeLayout, pki_dir: Path, server: str, gpus: int, 
     cni.mkdir(parents=True, exist_ok=True)
     (cni / "10-flotilla.conflist").write_text(node_configs.cni_conflist(layout))
     bins = kubernetes_bin_dir()
-    ctr = ["ctr", "--address", layout.containerd_socket, "--namespace", "k8s.io"]
     spec = {
         "name": layout.name,
         "ip": layout.ip,
@@ -99,7 +98,7 @@ def write_node_files(layout: NodeLayout, pki_dir: Path, server: str, gpus: int, 
         "logs_dir": str(layout.logs_dir),
         "containerd": ["containerd", "--config", str(config / "containerd.toml")],
         "images": [str(p) for p in sorted(images_dir(layout.cluster_state).glob(f"*{ARCHIVE_SUFFIX}"))],
-        "ctr": ctr,
+        "ctr": ctr(layout),
         "daemons": {
             "kubelet": [
                 str(bins / "kubelet"),
@@ -178,9 +177,19 @@ def node_pid(table: ProcessTable, layout: NodeLayout) -> int:
     return record.pid
 
 
+def in_node(table: ProcessTable, layout: NodeLayout, *argv: str) -> list[str]:
+    """argv made to run inside the node (its mount, network and UTS namespaces)."""
+    return ["nsenter", f"--target={node_pid(table, layout)}", "--mount", "--net", "--uts", *argv]
+
+
+def ctr(layout: NodeLayout) -> list[str]:
+    """containerd's own client, on the node's socket, in the namespace the kubelet's images live in."""
+    return ["ctr", "--address", layout.containerd_socket, "--namespace", "k8s.io"]
+
+
 def node_exec(table: ProcessTable, layout: NodeLayout, *argv: str, timeout: float = 600) -> str:
-    """Runs argv inside the node (its mount and network namespaces); its output, or NodeError."""
-    command = ["nsenter", f"--target={node_pid(table, layout)}", "--mount", "--net", "--uts", *argv]
+    """Runs argv inside the node; its output, or NodeError."""
+    command = in_node(table, layout, *argv)
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise NodeError(
@@ -199,14 +208,7 @@ def daemon_pid(layout: NodeLayout, name: str) -> int | None:
 
 def kill_container(table: ProcessTable, layout: NodeLayout, container_id: str) -> None:
     """SIGKILL a container's process through containerd, as the kernel's OOM killer or a crash would end it."""
-    ctr = ["ctr", "--address", layout.containerd_socket, "--namespace", "k8s.io"]
-    node_exec(table, layout, *ctr, "tasks", "kill", "--signal", "SIGKILL", container_id)
-
-
-def load_image(table: ProcessTable, layout: NodeLayout, archive: Path) -> None:
-    """Imports an image archive into a running node's containerd, where the kubelet finds it."""
-    ctr = ["ctr", "--address", layout.containerd_socket, "--namespace", "k8s.io"]
-    node_exec(table, layout, *ctr, "images", "import", str(archive))
+    node_exec(table, layout, *ctr(layout), "tasks", "kill", "--signal", "SIGKILL", container_id)
 
 
 def stop_node(table: ProcessTable, layout: NodeLayout) -> bool:

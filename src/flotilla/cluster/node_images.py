@@ -1,5 +1,6 @@
 """Images for the kubelet nodes without a registry: the pods' sandbox (pause) made from the Kubernetes
-module's own pause.c, and any image in buildah's storage written as an archive the nodes import."""
+module's own pause.c, written as an archive every node imports when it starts, and any image in buildah's
+storage streamed into a running node's containerd (`flotilla cluster load-image`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from flotilla.cluster.gomod import go_env
-from flotilla.cluster.node_host import ARCHIVE_SUFFIX, images_dir
-from flotilla.cluster.node_layout import PAUSE_IMAGE
+from flotilla.cluster.node_host import ARCHIVE_SUFFIX, ctr, images_dir, in_node
+from flotilla.cluster.node_layout import PAUSE_IMAGE, NodeLayout
 from flotilla.cluster.paths import cache_root
+from flotilla.cluster.processes import ProcessTable
 from flotilla.cluster.versions import KUBERNETES_VERSION
 
 
@@ -98,3 +101,31 @@ def export_image(cluster_state: Path, image: str) -> Path:
     _run(["buildah", "push", "--quiet", image, f"docker-archive:{archive}:{image}"])
     stamp.write_text(current)
     return archive
+
+
+def load_image(table: ProcessTable, layout: NodeLayout, image: str) -> float:
+    """Streams image from buildah's storage into a running node's containerd (a docker archive through a
+    pipe: nothing written to disk twice), where the kubelet finds it; the seconds it took."""
+    if not _image_exists(image):
+        raise ImageError(f"image {image} is not in buildah's storage: run `flotilla images build` first")
+    started = time.monotonic()
+    push = subprocess.Popen(
+        ["buildah", "push", "--quiet", image, f"docker-archive:/dev/stdout:{image}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert push.stdout is not None
+    imported = subprocess.run(
+        in_node(table, layout, *ctr(layout), "images", "import", "-"),
+        stdin=push.stdout,
+        capture_output=True,
+        text=True,
+    )
+    push.stdout.close()
+    pushed_error = push.stderr.read().decode(errors="replace") if push.stderr else ""
+    if push.wait() != 0 or imported.returncode != 0:
+        raise ImageError(
+            f"loading {image} into {layout.name} failed: buildah push said {pushed_error.strip()!r}, "
+            f"ctr import said {imported.stderr.strip()!r}"
+        )
+    return time.monotonic() - started

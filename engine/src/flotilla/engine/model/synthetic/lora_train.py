@@ -169,7 +169,7 @@ def _train(base_folder, shape, spec, train_stream, held_out_stream, seed, log) -
 def save_adapter(wrapped: dict, shape: LoRAShape, folder: Path, base_name: str) -> int:
     """Writes the PEFT folder: adapter_model.safetensors (float32, PEFT's names) and adapter_config.json;
     returns the parameter count."""
-    from safetensors.torch import save_file
+    from flotilla.engine.model.synthetic.weights_file import save_weights_file
 
     tensors = {}
     for (i, module), lora in sorted(wrapped.items()):
@@ -179,7 +179,7 @@ def save_adapter(wrapped: dict, shape: LoRAShape, folder: Path, base_name: str) 
         tensors[hf_names.peft_lora_name(i, module, hf_names.LORA_B)] = (
             lora.lora_B.detach().contiguous().clone()
         )
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_weights_file(tensors, folder / "adapter_model.safetensors")
     config = peft_config(shape, base_name)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return sum(t.numel() for t in tensors.values())

@@ -229,15 +229,14 @@ def init_model(
     preset = PRESETS[preset_name]
     if "training" in preset:
         return init_trained_model(preset_name, folder, seed=seed, log=log or _print)
-    from safetensors.torch import save_file
+    from flotilla.engine.model.synthetic.weights_file import save_weights_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(preset)
     config = hf_config(preset, tok, torch_dtype="bfloat16", note=RANDOM_WEIGHTS_NOTE)
     tensors = random_weights(config, seed)
-    # A single metadata key: safetensors writes several in a random order, which breaks byte-equality.
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_weights_file(tensors, folder / "model.safetensors")
     write_folder_files(preset, tok, config, folder)
     n_params = sum(t.numel() for t in tensors.values())
     (folder / "README.md").write_text(

@@ -299,8 +299,8 @@ def _train(config, spec, train_stream, held_out_stream, seed, log) -> tuple[Trai
 
 def save_weights(model: TrainingLlama, folder: Path) -> int:
     """Writes model.safetensors (float32, Hugging Face names); returns the parameter count."""
-    from safetensors.torch import save_file
+    from flotilla.engine.model.synthetic.weights_file import save_weights_file
 
     tensors = model.hf_state_dict()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_weights_file(tensors, folder / "model.safetensors")
     return sum(t.numel() for t in tensors.values())
