@@ -18,7 +18,11 @@ build` makes: what the node agent only pretended, attacked here for real.
   adopted, none restarted.
 
 - an engine pod from the engine image (CUDA torch, about 6 GB, on the CPU here) serves a completion through
-  the chart's Envoy and picker with the tenant's key.
+  the chart's Envoy and picker with the tenant's key;
+- two tenants' LoRA adapters on a shared Tenant's base service, through the chart (issue 51): each key
+  reaches its own, not the other's, and a base in another tenant's namespace is refused at create;
+- a pod in a tenant's namespace, and one in a namespace of no tenant, reach an engine pod but can neither
+  load an adapter into it nor pass as another tenant (issue 51).
 
 The other e2e tests still run engine pods on the node agent's nodes (docs/local-cluster.md)."""
 
@@ -55,9 +59,14 @@ ROOT = Path(__file__).resolve().parents[1]
 POD_IP_BASE = 9  # the suite's other cluster uses 7, the demo's 1
 RUN = uuid.uuid4().hex[:5]
 TENANT = NS = f"kn-{RUN}"
-GPU_NS = f"kn-gpus-{RUN}"  # no Tenant's: its ResourceQuota (the operator's backstop) would cap the GPUs
+GPU_NS = f"kn-gpus-{RUN}"
+SHARED_NS, NS_A, NS_B = f"kns-{RUN}", f"kna-{RUN}", f"knb-{RUN}"  # a shared Tenant's and two tenants'
+SERVED = f"base-{RUN}"  # the shared base's served name  # no Tenant's: its ResourceQuota (the operator's backstop) would cap the GPUs
 IMAGES = (contract.OPERATOR_IMAGE, contract.GATEWAY_IMAGE)
-MODEL_DIR = Path(f"/tmp/flotilla-kubelet-node-model-{RUN}")
+# The one host-path root tenants may use (operator.hostPathRoots): the model and the LoRA adapters. Not
+# pytest's tmp_path: its parent is 0700, and the engine image's user (65532) must reach the files.
+WORK = Path(f"/tmp/flotilla-kubelet-node-{RUN}")
+MODEL_DIR, ADAPTERS = WORK / "model", WORK / "adapters"
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +97,7 @@ def node_cluster(built_images: str, built_engine_image: str):
         yield handle
     finally:
         down(state_dir, purge=True)
-        shutil.rmtree(MODEL_DIR, ignore_errors=True)
+        shutil.rmtree(WORK, ignore_errors=True)
 
 
 def _node(cluster: ClusterHandle) -> dict | None:
@@ -104,7 +113,8 @@ def _ready(obj: dict | None) -> bool:
 @pytest.fixture(scope="module")
 def chart(node_cluster: ClusterHandle):
     """The chart with its defaults, but for the one folder tenants may serve models from."""
-    values = {"operator": {"hostPathRoots": [str(MODEL_DIR)]}}
+    tiny_model(MODEL_DIR)
+    values = {"operator": {"hostPathRoots": [str(WORK)]}}
     seconds = install(node_cluster, values, chart=ROOT / CHART_DIR, timeout="8m")
     print(f"helm install (defaults) -> every pod Ready on the kubelet node: {seconds:.1f}s")
     return node_cluster
@@ -233,7 +243,6 @@ def test_an_engine_pod_from_the_engine_image_serves_through_the_charts_gateway(c
     """The whole path on real parts: the tenant's key at the chart's Envoy (its stand-in image), the picker
     in the gateway pod, an engine pod the operator made from the engine image, on the kubelet, with a GPU
     the device plugin gave it, reading a model folder the kubelet mounted from the node."""
-    tiny_model(MODEL_DIR)
     chart.kubectl("create", "namespace", NS, check=False)
     service = inference_service("tiny", MODEL_DIR, namespace=NS)
     chart.apply_once_admitted(manifest_yaml.dump(service), 60, "the webhook to admit the InferenceService")
@@ -266,6 +275,176 @@ def test_an_engine_pod_from_the_engine_image_serves_through_the_charts_gateway(c
     assert rsp.status_code == 200, rsp.text
     assert rsp.json()["usage"]["completion_tokens"] == 4
     assert rsp.headers.get("server") == "envoy"
+
+
+ENVOY_PORT = 8081  # the chart's gateway.envoy.port
+
+
+def _gateway_url(cluster: ClusterHandle) -> str:
+    pods = [
+        p
+        for p in _pods(cluster, NAMESPACE)
+        if p["metadata"]["labels"].get("app.kubernetes.io/name") == "flotilla-gateway"
+    ]
+    ready = [p for p in pods if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")]
+    return f"http://{ready[0]['status']['podIP']}:{ENVOY_PORT}/v1"
+
+
+def _post(cluster: ClusterHandle, model: str, key: str) -> httpx.Response:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4}
+    return httpx.post(
+        f"{_gateway_url(cluster)}/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+
+
+def _answered(cluster: ClusterHandle, model: str, key: str) -> httpx.Response | None:
+    rsp = _post(cluster, model, key)
+    return (
+        None if rsp.status_code in (401, 404) else rsp
+    )  # until the gateway's watches have the key and model
+
+
+def _tenant(name: str, namespace: str, **spec) -> dict:
+    return {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "Tenant",
+        "metadata": {"name": name},
+        "spec": {"namespaces": [namespace], "gpuQuota": {"h100": 2}, **spec},
+    }
+
+
+def _adapter(name: str, namespace: str, folder: Path, base_ns: str) -> dict:
+    return {
+        "apiVersion": "flotilla.dev/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"inferenceService": "base", "serviceNamespace": base_ns, "source": f"file://{folder}"},
+    }
+
+
+def test_two_tenants_adapters_on_a_shared_base_through_the_chart(chart: ClusterHandle):
+    """Issue 51 through the installed chart (webhook on): a shared Tenant's base service with LoRA, each
+    tenant's adapter `sql` on it; each key reaches its own adapter, the other's is 404, and an adapter
+    naming a base in another tenant's namespace is refused at create."""
+    from flotilla.bench.engine.lora import write_random_adapter
+    from flotilla.engine.model.config import ModelConfig
+
+    for seed, name in enumerate(("sql-a", "sql-b")):
+        write_random_adapter(
+            ADAPTERS / name, ModelConfig.from_file(MODEL_DIR / "config.json"), rank=8, seed=seed
+        )
+    shared, ns_a, ns_b = SHARED_NS, NS_A, NS_B
+    key_a, key_b = f"fl-a-{uuid.uuid4().hex}", f"fl-b-{uuid.uuid4().hex}"
+    for ns in (shared, ns_a, ns_b):
+        chart.kubectl("create", "namespace", ns)
+    lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(ADAPTERS)}
+    engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
+    served = SERVED
+    docs = [
+        _tenant(shared, shared, shared=True),
+        _tenant(ns_a, ns_a),
+        _tenant(ns_b, ns_b),
+        key_secret(ns_a, "first", key_a, NAMESPACE, f"{ns_a}-keys"),
+        key_secret(ns_b, "first", key_b, NAMESPACE, f"{ns_b}-keys"),
+        inference_service("base", MODEL_DIR, shared, served_name=served, engine=engine),
+        _adapter("sql", ns_a, ADAPTERS / "sql-a", shared),
+        _adapter("sql", ns_b, ADAPTERS / "sql-b", shared),
+    ]
+    chart.apply_once_admitted(manifest_yaml.dump_all(docs), 60, "the shared base and both adapters admitted")
+    for ns in (ns_a, ns_b):
+
+        def loaded(ns: str = ns) -> bool:
+            status = (
+                json.loads(chart.kubectl("get", "loraadapter", "sql", "-n", ns, "-o", "json").stdout).get(
+                    "status"
+                )
+                or {}
+            )
+            return any(r["phase"] == "Loaded" for r in status.get("replicas") or [])
+
+        wait_for(loaded, 300, f"{ns}/sql loaded into the shared base's engine pod")
+    for key, ns in ((key_a, ns_a), (key_b, ns_b)):
+        answer = wait_for(
+            lambda key=key: _answered(chart, "sql", key), 120, f"{ns}'s key to reach its adapter"
+        )
+        assert answer.status_code == 200 and answer.json()["model"] == f"{ns}/sql", answer.text
+    base = _post(chart, served, key_a)  # the shared base itself: every tenant's
+    assert base.status_code == 200 and base.json()["model"] == served, base.text
+    for model, key in ((f"{ns_b}/sql", key_a), (f"{ns_a}/sql", key_b)):
+        refused = _post(chart, model, key)
+        assert refused.status_code == 404, refused.text
+    stolen = manifest_yaml.dump(_adapter("stolen", ns_a, Path("/nowhere"), base_ns=ns_b))
+    refused = chart.kubectl("apply", "-f", "-", input=stolen, check=False)
+    assert refused.returncode != 0 and "spec.serviceNamespace" in refused.stderr and ns_b in refused.stderr, (
+        refused.stderr
+    )
+
+
+ATTACK = """
+import json, sys, urllib.error, urllib.request
+base, served, other = sys.argv[1:4]
+def call(path, body=None, headers=None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as rsp:
+            return [rsp.status, ""]
+    except urllib.error.HTTPError as err:
+        return [err.code, json.loads(err.read() or b"{}").get("error", {}).get("code", "")]
+print(json.dumps({
+    "health": call("/health"),
+    "load": call("/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": "/tmp"}),
+    "as_other": call("/v1/completions", {"model": served, "prompt": "x", "max_tokens": 1}, {"X-Flotilla-Tenant": other}),
+}))
+"""
+
+
+def _attacker(cluster: ClusterHandle, namespace: str) -> str:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "attacker", "namespace": namespace},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": contract.OPERATOR_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "600"],
+                }
+            ]
+        },
+    }
+    cluster.kubectl("apply", "-f", "-", input=manifest_yaml.dump(pod))
+
+    def running() -> bool:
+        found = json.loads(cluster.kubectl("get", "pod", "attacker", "-n", namespace, "-o", "json").stdout)
+        return found["status"].get("phase") == "Running"
+
+    wait_for(running, 120, f"the attacker pod in {namespace} to run")
+    return "attacker"
+
+
+def test_a_pod_in_a_tenants_namespace_or_another_gets_nothing_from_an_engine(chart: ClusterHandle):
+    """Issue 51, item 2, from inside the pod network: a pod in tenant A's own namespace and one in a
+    namespace of no tenant reach the shared base's engine pod (its /health answers), but can neither load
+    an adapter (no operator token) nor pass as tenant B (no gateway credential)."""
+    (engine,) = [p for p in _pods(chart, SHARED_NS) if not p["metadata"].get("deletionTimestamp")]
+    url = f"http://{engine['status']['podIP']}:8000"
+    stranger = f"kn-stranger-{RUN}"
+    chart.kubectl("create", "namespace", stranger)
+    for namespace in (NS_A, stranger):
+        pod = _attacker(chart, namespace)
+        out = chart.kubectl(
+            "exec", "-n", namespace, pod, "--", "python", "-c", ATTACK, url, SERVED, NS_B
+        ).stdout
+        got = json.loads(out)
+        assert got["health"] == [200, ""], (namespace, got)
+        assert got["load"] == [403, "internal_token_required"], (namespace, got)
+        assert got["as_other"] == [403, "tenant_not_allowed"], (namespace, got)
 
 
 def _layout(cluster: ClusterHandle):
@@ -373,7 +552,10 @@ def test_three_gateway_pods_of_the_chart_admit_what_one_would(chart: ClusterHand
     """A tenant with a one-request burst (one more in 1,000 s): over the chart's three gateway pods sharing
     Redis, exactly one request is admitted (held, then 503: no engine runs here) and every other is a 429,
     whichever pod it reaches; each replica alone would have admitted one."""
-    values = {"gateway": {"replicas": 3, "rateLimitRedis": redis_on_the_bridge, "holdTimeoutSeconds": 2}}
+    values = {
+        "operator": {"hostPathRoots": [str(WORK)]},
+        "gateway": {"replicas": 3, "rateLimitRedis": redis_on_the_bridge, "holdTimeoutSeconds": 2},
+    }
     install(chart, values, chart=ROOT / CHART_DIR, timeout="8m")
     chart.kubectl("create", "namespace", NS, check=False)
     tenant = {
@@ -403,11 +585,10 @@ def test_three_gateway_pods_of_the_chart_admit_what_one_would(chart: ClusterHand
         and not p["metadata"].get("deletionTimestamp")
     ]
     assert len(pods) == 3, [p["metadata"]["name"] for p in pods]
-    envoy_port = 8081  # the chart's gateway.envoy.port
     body = {"model": "limited", "prompt": "limited", "max_tokens": 1}
     codes: list[int] = []
     for pod in pods:
-        url = f"http://{pod['status']['podIP']}:{envoy_port}/v1/completions"
+        url = f"http://{pod['status']['podIP']}:{ENVOY_PORT}/v1/completions"
 
         def post(url: str = url) -> int:
             return httpx.post(

@@ -54,9 +54,9 @@ def _progress(line: str) -> None:
 def write_random_adapter(folder: Path, config, rank: int, seed: int) -> None:
     """A PEFT LoRA folder on every decoder linear layer, random A and small random B."""
     import torch
-    from safetensors.torch import save_file
 
     from flotilla.engine.model import hf_names
+    from flotilla.engine.model.synthetic.weights_file import save_weights_file
 
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -67,7 +67,7 @@ def write_random_adapter(folder: Path, config, rank: int, seed: int) -> None:
             tensors[hf_names.peft_lora_name(layer, module, hf_names.LORA_A)] = a
             tensors[hf_names.peft_lora_name(layer, module, hf_names.LORA_B)] = b
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    save_weights_file(tensors, folder / "adapter_model.safetensors")
     targets = list(hf_names.LORA_TARGETS)
     (folder / "adapter_config.json").write_text(
         json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": targets})
