@@ -59,9 +59,10 @@ ROOT = Path(__file__).resolve().parents[1]
 POD_IP_BASE = 9  # the suite's other cluster uses 7, the demo's 1
 RUN = uuid.uuid4().hex[:5]
 TENANT = NS = f"kn-{RUN}"
-GPU_NS = f"kn-gpus-{RUN}"
+GPU_NS = f"kn-gpus-{RUN}"  # no Tenant's: its ResourceQuota (the operator's backstop) would cap the GPUs
 SHARED_NS, NS_A, NS_B = f"kns-{RUN}", f"kna-{RUN}", f"knb-{RUN}"  # a shared Tenant's and two tenants'
-SERVED = f"base-{RUN}"  # the shared base's served name  # no Tenant's: its ResourceQuota (the operator's backstop) would cap the GPUs
+SERVED = f"base-{RUN}"  # the shared base's served name
+METERING = "--metering-interval=2"  # the operator's metering rounds, in seconds (its default is 10)
 IMAGES = (contract.OPERATOR_IMAGE, contract.GATEWAY_IMAGE)
 # The one host-path root tenants may use (operator.hostPathRoots): the model and the LoRA adapters. Not
 # pytest's tmp_path: its parent is 0700, and the engine image's user (65532) must reach the files.
@@ -114,7 +115,7 @@ def _ready(obj: dict | None) -> bool:
 def chart(node_cluster: ClusterHandle):
     """The chart with its defaults, but for the one folder tenants may serve models from."""
     tiny_model(MODEL_DIR)
-    values = {"operator": {"hostPathRoots": [str(WORK)]}}
+    values = {"operator": {"hostPathRoots": [str(WORK)], "extraArgs": [METERING]}}
     seconds = install(node_cluster, values, chart=ROOT / CHART_DIR, timeout="8m")
     print(f"helm install (defaults) -> every pod Ready on the kubelet node: {seconds:.1f}s")
     return node_cluster
@@ -290,14 +291,10 @@ def _gateway_url(cluster: ClusterHandle) -> str:
     return f"http://{ready[0]['status']['podIP']}:{ENVOY_PORT}/v1"
 
 
-def _post(cluster: ClusterHandle, model: str, key: str) -> httpx.Response:
+def _post(cluster: ClusterHandle, model: str, key: str, timeout: float = 120) -> httpx.Response:
     body = {"model": model, "prompt": "Hello", "max_tokens": 4}
-    return httpx.post(
-        f"{_gateway_url(cluster)}/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=120,
-    )
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{_gateway_url(cluster)}/completions", json=body, headers=headers, timeout=timeout)
 
 
 def _answered(cluster: ClusterHandle, model: str, key: str) -> httpx.Response | None:
@@ -325,10 +322,28 @@ def _adapter(name: str, namespace: str, folder: Path, base_ns: str) -> dict:
     }
 
 
+def _loaded_pods(cluster: ClusterHandle, namespace: str) -> list[str]:
+    found = json.loads(cluster.kubectl("get", "loraadapter", "sql", "-n", namespace, "-o", "json").stdout)
+    return [r["pod"] for r in (found.get("status") or {}).get("replicas") or [] if r["phase"] == "Loaded"]
+
+
+def _tenant_status(cluster: ClusterHandle, name: str) -> dict:
+    return json.loads(cluster.kubectl("get", "tenant", name, "-o", "json").stdout).get("status") or {}
+
+
+def _models(cluster: ClusterHandle, key: str) -> dict[str, dict]:
+    rsp = httpx.get(f"{_gateway_url(cluster)}/models", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    return {m["id"]: m for m in rsp.json()["data"]}
+
+
 def test_two_tenants_adapters_on_a_shared_base_through_the_chart(chart: ClusterHandle):
-    """Issue 51 through the installed chart (webhook on): a shared Tenant's base service with LoRA, each
-    tenant's adapter `sql` on it; each key reaches its own adapter, the other's is 404, and an adapter
-    naming a base in another tenant's namespace is refused at create."""
+    """Issue 51 through the installed chart (webhook on), every pod from the built images on the kubelet:
+    a shared Tenant's base service with LoRA (`spec.shared: true`: its services every tenant's, its GPU time
+    its own), each tenant's adapter `sql` on it (spec.serviceNamespace). Each key reaches its own adapter,
+    404 for the other's as for an unknown name, 401 without a key, and lists only its own in /v1/models;
+    an adapter naming a base in another tenant's namespace is refused at create; each Tenant meters its own
+    adapter's tokens, the shared Tenant the base's GPU time; the engine pod killed, a request waits for the
+    new replica to have the adapter loaded, then is served."""
     from flotilla.bench.engine.lora import write_random_adapter
     from flotilla.engine.model.config import ModelConfig
 
@@ -336,51 +351,84 @@ def test_two_tenants_adapters_on_a_shared_base_through_the_chart(chart: ClusterH
         write_random_adapter(
             ADAPTERS / name, ModelConfig.from_file(MODEL_DIR / "config.json"), rank=8, seed=seed
         )
-    shared, ns_a, ns_b = SHARED_NS, NS_A, NS_B
     key_a, key_b = f"fl-a-{uuid.uuid4().hex}", f"fl-b-{uuid.uuid4().hex}"
-    for ns in (shared, ns_a, ns_b):
+    for ns in (SHARED_NS, NS_A, NS_B):
         chart.kubectl("create", "namespace", ns)
     lora = {"enabled": True, "maxLoras": 2, "maxLoraRank": 16, "adapterDir": str(ADAPTERS)}
     engine = {"kvCacheMemory": "64Mi", "maxNumSeqs": 4, "lora": lora}
-    served = SERVED
     docs = [
-        _tenant(shared, shared, shared=True),
-        _tenant(ns_a, ns_a),
-        _tenant(ns_b, ns_b),
-        key_secret(ns_a, "first", key_a, NAMESPACE, f"{ns_a}-keys"),
-        key_secret(ns_b, "first", key_b, NAMESPACE, f"{ns_b}-keys"),
-        inference_service("base", MODEL_DIR, shared, served_name=served, engine=engine),
-        _adapter("sql", ns_a, ADAPTERS / "sql-a", shared),
-        _adapter("sql", ns_b, ADAPTERS / "sql-b", shared),
+        _tenant(SHARED_NS, SHARED_NS, shared=True),  # sharing is granted, not implied by no claim
+        _tenant(NS_A, NS_A),
+        _tenant(NS_B, NS_B),
+        key_secret(NS_A, "first", key_a, NAMESPACE, f"{NS_A}-keys"),
+        key_secret(NS_B, "first", key_b, NAMESPACE, f"{NS_B}-keys"),
+        inference_service("base", MODEL_DIR, SHARED_NS, served_name=SERVED, engine=engine),
+        _adapter("sql", NS_A, ADAPTERS / "sql-a", SHARED_NS),
+        _adapter("sql", NS_B, ADAPTERS / "sql-b", SHARED_NS),
     ]
     chart.apply_once_admitted(manifest_yaml.dump_all(docs), 60, "the shared base and both adapters admitted")
-    for ns in (ns_a, ns_b):
+    loaded: dict[str, list[str]] = {}
+    for ns in (NS_A, NS_B):
+        loaded[ns] = wait_for(
+            lambda ns=ns: _loaded_pods(chart, ns) or [], 300, f"{ns}/sql loaded into the base's pod"
+        )
+    (pod,) = loaded[NS_A]
+    assert loaded[NS_B] == [pod]  # one replica, of the shared base
 
-        def loaded(ns: str = ns) -> bool:
-            status = (
-                json.loads(chart.kubectl("get", "loraadapter", "sql", "-n", ns, "-o", "json").stdout).get(
-                    "status"
-                )
-                or {}
-            )
-            return any(r["phase"] == "Loaded" for r in status.get("replicas") or [])
-
-        wait_for(loaded, 300, f"{ns}/sql loaded into the shared base's engine pod")
-    for key, ns in ((key_a, ns_a), (key_b, ns_b)):
-        answer = wait_for(
+    generated = {NS_A: 0, NS_B: 0}
+    for key, ns in ((key_a, NS_A), (key_b, NS_B)):
+        first = wait_for(
             lambda key=key: _answered(chart, "sql", key), 120, f"{ns}'s key to reach its adapter"
         )
-        assert answer.status_code == 200 and answer.json()["model"] == f"{ns}/sql", answer.text
-    base = _post(chart, served, key_a)  # the shared base itself: every tenant's
-    assert base.status_code == 200 and base.json()["model"] == served, base.text
-    for model, key in ((f"{ns_b}/sql", key_a), (f"{ns_a}/sql", key_b)):
+        for answer in (first, _post(chart, f"{ns}/sql", key)):
+            assert answer.status_code == 200 and answer.json()["model"] == f"{ns}/sql", answer.text
+            generated[ns] += answer.json()["usage"]["completion_tokens"]
+    base = _post(chart, SERVED, key_a)  # the shared base itself: every tenant's
+    assert base.status_code == 200 and base.json()["model"] == SERVED, base.text
+    for model, key in ((f"{NS_B}/sql", key_a), (f"{NS_A}/sql", key_b), (f"{NS_A}/stolen", key_b)):
         refused = _post(chart, model, key)
         assert refused.status_code == 404, refused.text
-    stolen = manifest_yaml.dump(_adapter("stolen", ns_a, Path("/nowhere"), base_ns=ns_b))
+        assert refused.json()["error"]["message"] == f"the model {model!r} does not exist"
+    assert _post(chart, "sql", "fl-not-a-key").status_code == 401
+    mine, theirs = _models(chart, key_a), _models(chart, key_b)
+    assert mine["sql"]["parent"] == SERVED and theirs["sql"]["parent"] == SERVED
+    assert f"{NS_B}/sql" not in mine and f"{NS_A}/sql" not in theirs
+
+    stolen = manifest_yaml.dump(_adapter("stolen", NS_A, Path("/nowhere"), base_ns=NS_B))
     refused = chart.kubectl("apply", "-f", "-", input=stolen, check=False)
-    assert refused.returncode != 0 and "spec.serviceNamespace" in refused.stderr and ns_b in refused.stderr, (
+    assert refused.returncode != 0 and "spec.serviceNamespace" in refused.stderr and NS_B in refused.stderr, (
         refused.stderr
     )
+
+    # Metering: each tenant's status counts its own adapter's tokens, never the other's.
+    for tenant, other in ((NS_A, NS_B), (NS_B, NS_A)):
+
+        def metered(tenant: str = tenant) -> dict | None:
+            adapters = _tenant_status(chart, tenant).get("adapters") or {}
+            return (
+                adapters
+                if (adapters.get(f"{tenant}/sql") or {}).get("output", 0) >= generated[tenant]
+                else None
+            )
+
+        usage = wait_for(metered, 120, f"{tenant}'s metering of {tenant}/sql")
+        assert f"{other}/sql" not in usage and usage[f"{tenant}/sql"]["output"] == generated[tenant], usage
+    seconds = wait_for(
+        lambda: (
+            (_tenant_status(chart, SHARED_NS).get("usage") or {}).get("total", {}).get("byNamespace", {})
+        ).get(SHARED_NS),
+        120,
+        "the shared Tenant's metering of the base's GPU time",
+    )
+    assert seconds > 0
+
+    # The engine pod killed: each request waits for the new replica to have its adapter, then is served.
+    chart.kubectl("delete", "pod", pod, "-n", SHARED_NS, "--wait=false")
+    for key, ns in ((key_a, NS_A), (key_b, NS_B)):
+        after = _post(chart, "sql", key, timeout=300)
+        assert after.status_code == 200 and after.json()["model"] == f"{ns}/sql", after.text
+    for ns in (NS_A, NS_B):
+        assert pod not in _loaded_pods(chart, ns)
 
 
 ATTACK = """
@@ -553,7 +601,7 @@ def test_three_gateway_pods_of_the_chart_admit_what_one_would(chart: ClusterHand
     Redis, exactly one request is admitted (held, then 503: no engine runs here) and every other is a 429,
     whichever pod it reaches; each replica alone would have admitted one."""
     values = {
-        "operator": {"hostPathRoots": [str(WORK)]},
+        "operator": {"hostPathRoots": [str(WORK)], "extraArgs": [METERING]},
         "gateway": {"replicas": 3, "rateLimitRedis": redis_on_the_bridge, "holdTimeoutSeconds": 2},
     }
     install(chart, values, chart=ROOT / CHART_DIR, timeout="8m")
